@@ -1,0 +1,32 @@
+"""`python -m ddpexp [overrides]`: Hydra composes conf/, then run.run() launches the job (or each job of -m)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import hydra
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf")
+
+
+def _task(dcfg: Any) -> Any:
+    from ddpexp.run import run
+
+    return run(dcfg)
+
+
+def main() -> None:
+    from ddpexp.config import register_configs
+    from ddpexp.errors import install_error_reporting
+
+    if not os.path.isdir(CONF_DIR):
+        sys.exit(f"ddpexp: error: no conf/ at {os.path.normpath(CONF_DIR)}: install ddpexp from its checkout (pip install -e .)")
+    register_configs()
+    install_error_reporting()
+    hydra.main(config_path=os.path.normpath(CONF_DIR), config_name="config", version_base="1.3")(_task)()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Typed run configuration: the dataclasses Hydra's YAML is checked against, converted once in the parent.
+
+Every check lives in a `__post_init__` and raises ConfigError naming the key and the fix, so bad input fails
+before any rank starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+from omegaconf import MISSING
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICES = ("auto", "cuda", "cpu")
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; printed as one line, exit code 2."""
+
+
+def check(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    check(value in choices, f"{key}={value!r}: must be one of {', '.join(choices)}")
+
+
+@dataclass
+class LauncherConfig:
+    """Fields every launcher has; each launcher's dataclass extends it (see launchers/)."""
+
+    _target_: str = MISSING
+    local: ClassVar[bool] = True  # starts ranks on this machine (devices are checked here); slurm: False
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "auto"  # auto: online if an API key is configured, else offline
+    project: str = "ddpexp"
+    entity: Optional[str] = None
+    group: Optional[str] = None  # default: the sweep (all jobs of one -m share it); none for single runs
+    name: Optional[str] = None  # default: the job's overrides
+    tags: list[str] = field(default_factory=list)
+    notes: Optional[str] = None
+    job_type: Optional[str] = None
+    init_timeout_s: float = 30.0  # wandb.init waiting longer than this falls back to offline
+
+    def __post_init__(self) -> None:
+        check_choice("wandb.mode", self.mode, WANDB_MODES)
+        check(self.init_timeout_s > 0, f"wandb.init_timeout_s={self.init_timeout_s}: must be > 0")
+
+
+@dataclass
+class DDPConfig:
+    """Knobs passed to torch.nn.parallel.DistributedDataParallel."""
+
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+    gradient_as_bucket_view: bool = True
+    bucket_cap_mb: float = 25.0
+    sync_batchnorm: bool = False
+
+    def __post_init__(self) -> None:
+        check(self.bucket_cap_mb > 0, f"ddp.bucket_cap_mb={self.bucket_cap_mb}: must be > 0")
+
+
+@dataclass
+class DebugConfig:
+    """Test and diagnosis hooks; all off by default."""
+
+    check_replicas: bool = False  # all-gather the final parameters and record whether ranks agree
+    fail_at_step: Optional[int] = None  # raise on `fail_rank` at this optimizer step
+    fail_rank: int = 0
+
+
+@dataclass
+class Config:
+    launcher: Any = MISSING  # a LauncherConfig subclass, chosen by `launcher=`
+    model: Any = MISSING  # {_target_: ..., **kwargs}; called with num_classes/in_channels/image_size it accepts
+    data: Any = MISSING  # {_target_: ..., **kwargs}; returns ddpexp.data.Splits
+    optimizer: Any = MISSING  # {_target_: torch.optim.X, _partial_: true, ...}
+    scheduler: Any = None  # {_target_: ..., _partial_: true, ...} or null
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    gpus: Optional[int] = None  # processes per node; null: all visible GPUs, or 2 CPU processes without GPUs
+    device: str = "auto"
+    epochs: int = 3
+    max_steps: Optional[int] = None  # optimizer steps; stops before `epochs` when reached
+    batch_size: int = 64  # per process
+    grad_accum: int = 1
+    precision: str = "fp32"
+    clip_grad_norm: Optional[float] = None
+    seed: int = 0
+    dist_timeout_s: float = 300.0  # a collective waiting longer than this fails the job instead of hanging it
+    log_every_n_steps: int = 10
+    eval_every_n_epochs: int = 1
+    checkpoint_every_n_epochs: Optional[int] = None  # last.pt is always written at the end
+    num_workers: int = 0
+    compile: bool = False
+    channels_last: bool = False
+    progress_bar: bool = True  # rank 0 only, and only when stderr is a terminal
+
+    def __post_init__(self) -> None:
+        check(self.gpus is None or self.gpus >= 1, f"gpus={self.gpus}: must be >= 1 (processes per node)")
+        check_choice("device", self.device, DEVICES)
+        check_choice("precision", self.precision, PRECISIONS)
+        check(self.epochs >= 1, f"epochs={self.epochs}: must be >= 1")
+        check(self.max_steps is None or self.max_steps >= 1, f"max_steps={self.max_steps}: must be >= 1 or null")
+        check(self.batch_size >= 1, f"batch_size={self.batch_size}: must be >= 1 (per process)")
+        check(self.grad_accum >= 1, f"grad_accum={self.grad_accum}: must be >= 1")
+        check(
+            self.clip_grad_norm is None or self.clip_grad_norm > 0,
+            f"clip_grad_norm={self.clip_grad_norm}: must be > 0 or null",
+        )
+        check(self.log_every_n_steps >= 1, f"log_every_n_steps={self.log_every_n_steps}: must be >= 1")
+        check(self.eval_every_n_epochs >= 1, f"eval_every_n_epochs={self.eval_every_n_epochs}: must be >= 1")
+        check(self.dist_timeout_s > 0, f"dist_timeout_s={self.dist_timeout_s}: must be > 0")
+        check(self.num_workers >= 0, f"num_workers={self.num_workers}: must be >= 0")
+        for group in ("model", "data", "optimizer"):
+            node = getattr(self, group)
+            check(
+                isinstance(node, dict) and "_target_" in node,
+                f"{group}: needs a _target_ (pick one with {group}=NAME or set {group}._target_)",
+            )
+
+
+def register_configs() -> None:
+    """Put the schemas in Hydra's ConfigStore: `base_config` for the root, `launcher/base_<name>` per launcher."""
+    from hydra.core.config_store import ConfigStore
+
+    from ddpexp.launchers import launcher_schemas
+
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for name, schema in launcher_schemas().items():
+        cs.store(group="launcher", name=f"base_{name}", node=schema)

@@ -1,0 +1,69 @@
+"""How the command fails: config mistakes as one `ddpexp: error:` line (exit 2), rank failures with the tail of
+the failing rank's traceback (exit 1). Hydra's own reporting prints multi-line messages and stack frames."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+CONFIG_EXIT, FAILED_EXIT = 2, 1
+_SKIP = ("full_key:", "object_type=", "reference_type=", "Set the environment variable HYDRA_FULL_ERROR")
+
+
+def one_line(error: BaseException) -> str:
+    """Fold Hydra/OmegaConf's multi-line messages (and their cause) into one readable line."""
+    parts: list[str] = []
+    for e in (error, error.__cause__):
+        if e is None or (parts and str(e) in parts[-1]):
+            continue
+        listing = False  # after "Available options in 'model':", the options follow one per line
+        for line in str(e).splitlines():
+            line = line.strip()
+            if line.startswith("Config search path"):
+                break
+            if not line or line.startswith(_SKIP):
+                continue
+            if listing:
+                parts[-1] += (", " if not parts[-1].endswith(":") else " ") + line
+            else:
+                parts.append(line)
+            listing = line.endswith(":")
+    return " ".join(p.rstrip(".") + "." if not p.endswith((".", ":")) else p for p in parts).rstrip(":. ")
+
+
+def is_config_error(error: BaseException) -> bool:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from ddpexp.config import ConfigError
+
+    return isinstance(error, (ConfigError, HydraException, OmegaConfBaseException))
+
+
+def report(func: Callable[[], Any]) -> Any:
+    from ddpexp.launchers import RankFailure
+
+    try:
+        return func()
+    except RankFailure as e:
+        print(f"ddpexp: error: {e}", file=sys.stderr)
+        sys.exit(FAILED_EXIT)
+    except Exception as e:
+        if not is_config_error(e):
+            raise
+        print(f"ddpexp: error: {one_line(e)}", file=sys.stderr)
+        sys.exit(CONFIG_EXIT)
+
+
+def install_error_reporting() -> None:
+    """Route Hydra's top-level error handler through `report` (hydra-core 1.3's hydra._internal.utils)."""
+    import hydra._internal.utils as hydra_utils
+
+    original = hydra_utils.run_and_report
+    if getattr(original, "__name__", "") == "_report_then_hydra":
+        return
+
+    def _report_then_hydra(func: Callable[[], Any]) -> Any:
+        return original(lambda: report(func))
+
+    hydra_utils.run_and_report = _report_then_hydra

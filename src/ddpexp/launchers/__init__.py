@@ -1,0 +1,36 @@
+"""Launcher backends: `launcher=NAME` is conf/launcher/NAME.yaml, launchers/NAME.py and its NameConfig dataclass.
+
+A launcher's `launch(worker, cfg, job)` only starts ranks with PyTorch's env:// variables and calls `worker(cfg, job)`
+in each; it raises RankFailure when a rank fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any
+
+
+class RankFailure(RuntimeError):
+    """A rank died; the message carries its traceback's tail."""
+
+    def __init__(self, rank: int | str, detail: str):
+        self.rank, self.detail = rank, detail.rstrip()
+        super().__init__(f"rank {rank} failed:\n{self.detail}")
+
+
+def schema_name(name: str) -> str:
+    return "".join(part.title() for part in name.split("_")) + "Config"
+
+
+def launcher_schemas() -> dict[str, Any]:
+    """{name: dataclass} for every module in this package (a new launcher is found by its file name)."""
+    schemas = {}
+    for mod in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{mod.name}")
+        schemas[mod.name] = getattr(module, schema_name(mod.name))
+    return schemas
+
+
+def tail(text: str, lines: int = 25) -> str:
+    return "\n".join(text.rstrip().splitlines()[-lines:])

@@ -1,0 +1,60 @@
+"""spawn: `gpus` local ranks started with torch.multiprocessing; this process hosts the rendezvous store."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ddpexp.config import LauncherConfig
+from ddpexp.launchers import RankFailure, tail
+
+
+@dataclass
+class SpawnConfig(LauncherConfig):
+    _target_: str = "ddpexp.launchers.spawn.launch"
+    master_addr: str = "127.0.0.1"
+    master_port: Optional[int] = None  # null: a free port, bound by this process (no race between jobs)
+    inline_single: bool = True  # gpus=1 runs in this process, without spawning
+
+
+def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
+    import torch.multiprocessing as mp
+    from torch.distributed import TCPStore
+
+    n, lc = cfg.gpus, cfg.launcher
+    # Hosting the store here on port 0 means the port is bound before any rank needs it, so concurrent jobs
+    # cannot pick the same one; ranks join as clients (the same mechanism torchrun's agent uses).
+    store = TCPStore(lc.master_addr, lc.master_port or 0, is_master=True, wait_for_workers=False)
+    env = {
+        "MASTER_ADDR": lc.master_addr,
+        "MASTER_PORT": str(store.port),
+        "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": str(n),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    try:
+        if n == 1 and lc.inline_single:
+            _run_inline(worker, cfg, job, env)
+        else:
+            mp.start_processes(_run_rank, args=(worker, cfg, job, env), nprocs=n, join=True, start_method="spawn")
+    except mp.ProcessRaisedException as e:
+        raise RankFailure(e.error_index, tail(e.msg)) from None
+    except mp.ProcessExitedException as e:
+        raise RankFailure(e.error_index, f"exited with code {e.exit_code}") from None
+    finally:
+        del store
+
+
+def _run_rank(local_rank: int, worker: Callable[..., None], cfg: Any, job: Any, env: dict[str, str]) -> None:
+    os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
+    worker(cfg, job)
+
+
+def _run_inline(worker: Callable[..., None], cfg: Any, job: Any, env: dict[str, str]) -> None:
+    saved = dict(os.environ)
+    try:
+        _run_rank(0, worker, cfg, job, env)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)

@@ -1,0 +1,76 @@
+"""torchrun: PyTorch's elastic agent, started in this process (elastic_launch), one node or many."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ddpexp.config import LauncherConfig, check
+from ddpexp.launchers import RankFailure, tail
+
+
+@dataclass
+class TorchrunConfig(LauncherConfig):
+    _target_: str = "ddpexp.launchers.torchrun.launch"
+    nnodes: str = "1"  # N or MIN:MAX
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = "localhost:0"  # port 0: a free port (single node); multi-node: HOST:PORT on every node
+    rdzv_id: str = "ddpexp"
+    rdzv_timeout_s: int = 900
+    max_restarts: int = 0
+    monitor_interval_s: float = 0.1
+    local_addr: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        lo, hi = self.node_range()
+        check(1 <= lo <= hi, f"launcher.nnodes={self.nnodes!r}: must be N or MIN:MAX with 1 <= MIN <= MAX")
+        check(self.max_restarts >= 0, f"launcher.max_restarts={self.max_restarts}: must be >= 0")
+        check(
+            hi == 1 or not self.rdzv_endpoint.endswith(":0"),
+            f"launcher.nnodes={self.nnodes}: set launcher.rdzv_endpoint=HOST:PORT, the same on every node",
+        )
+
+    def node_range(self) -> tuple[int, int]:
+        try:
+            lo, _, hi = str(self.nnodes).partition(":")
+            return int(lo), int(hi or lo)
+        except ValueError:
+            return 0, 0
+
+
+def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    lc = cfg.launcher
+    # Restarts over gloo reuse the previous round's TCP store ports and fail to connect (pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    min_nodes, max_nodes = lc.node_range()
+    config = LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=cfg.gpus,
+        run_id=lc.rdzv_id,
+        rdzv_backend=lc.rdzv_backend,
+        rdzv_endpoint=lc.rdzv_endpoint,
+        rdzv_configs={"timeout": lc.rdzv_timeout_s},
+        max_restarts=lc.max_restarts,
+        monitor_interval=lc.monitor_interval_s,
+        start_method="spawn",
+        local_addr=lc.local_addr,
+    )
+    try:
+        elastic_launch(config, _run_rank)(worker, cfg, job)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        detail = failure.message.get("extraInfo", {}).get("py_callstack", "") if isinstance(failure.message, dict) else ""
+        raise RankFailure(rank, tail(detail or str(failure.message) or f"exit code {failure.exitcode}")) from None
+
+
+def _run_rank(worker: Callable[..., None], cfg: Any, job: Any) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(worker)(cfg, job)

@@ -1,0 +1,48 @@
+"""Models behind `model=`: small nets and torchvision ResNets with the input stem adapted to the dataset."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def mlp(num_classes: int, in_channels: int, image_size: int, hidden: tuple[int, ...] = (256, 256)) -> Any:
+    from torch import nn
+
+    dims = [in_channels * image_size * image_size, *hidden]
+    layers: list[nn.Module] = [nn.Flatten()]
+    for d_in, d_out in zip(dims, dims[1:]):
+        layers += [nn.Linear(d_in, d_out), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(dims[-1], num_classes))
+
+
+def cnn(num_classes: int, in_channels: int, image_size: int, channels: tuple[int, int] = (32, 64), hidden: int = 128) -> Any:
+    """conv32-conv64-maxpool-fc128: the PyTorch MNIST example's net, without dropout (DDP-reproducible)."""
+    from torch import nn
+
+    c1, c2 = channels
+    side = image_size // 2
+    return nn.Sequential(
+        nn.Conv2d(in_channels, c1, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(),
+        nn.MaxPool2d(2), nn.Flatten(),
+        nn.Linear(c2 * side * side, hidden), nn.ReLU(),
+        nn.Linear(hidden, num_classes),
+    )  # fmt: skip
+
+
+def resnet(arch: str, num_classes: int, in_channels: int, image_size: int, stem: str = "auto") -> Any:
+    """torchvision ResNet, randomly initialised. stem=small (3x3 conv, no max-pool) suits 28-32 px images;
+    stem=imagenet keeps the 7x7/2 conv + max-pool (the tutorial's setup); auto picks small below 64 px."""
+    import torchvision
+    from torch import nn
+
+    from ddpexp.config import check_choice
+
+    check_choice("model.stem", stem, ("auto", "small", "imagenet"))
+    net = getattr(torchvision.models, arch)(weights=None, num_classes=num_classes)
+    if stem == "small" or (stem == "auto" and image_size < 64):
+        net.conv1 = nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False)
+        net.maxpool = nn.Identity()
+    elif in_channels != 3:
+        net.conv1 = nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False)
+    return net

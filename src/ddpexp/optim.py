@@ -1,0 +1,30 @@
+"""LR schedules behind `scheduler=`, stepped once per optimizer step."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Callable
+
+
+def cosine(optimizer: Any, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0) -> Any:
+    """Linear warm-up to the base LR, then cosine decay to `min_lr_ratio` x base LR at `total_steps`."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return LambdaLR(optimizer, factor)
+
+
+def call_accepting(fn: Callable[..., Any], *args: Any, **runtime: Any) -> Any:
+    """Call `fn` with the runtime keywords its signature takes (all of them if it has **kwargs).
+
+    Lets a user's model or scheduler class ignore facts it does not need (image_size, total_steps, ...)."""
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        runtime = {k: v for k, v in runtime.items() if k in params}
+    return fn(*args, **runtime)

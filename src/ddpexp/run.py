@@ -1,0 +1,98 @@
+"""The parent's side of one job: typed config, job dir, device checks, data preparation, then the launcher."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Optional
+
+import yaml
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import get_method
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ddpexp import data
+from ddpexp.config import Config, ConfigError
+from ddpexp.job import Job, read_json, write_json
+from ddpexp.launchers import RankFailure
+
+log = logging.getLogger("ddpexp")
+
+
+def run(dcfg: DictConfig) -> Optional[float]:
+    """Hydra's task function: one experiment, a full DDP run. Returns the final val/acc."""
+    start = time.time()
+    cfg = to_config(dcfg)
+    config = OmegaConf.to_container(dcfg, resolve=True)
+    if cfg.launcher.local:
+        resolve_devices(cfg)
+        config.update(gpus=cfg.gpus, device=cfg.device)  # type: ignore[union-attr]
+    if "root" in cfg.data:
+        cfg.data["root"] = config["data"]["root"] = os.path.abspath(cfg.data["root"])  # type: ignore[index]
+    job = make_job(yaml.safe_dump(config, sort_keys=False))
+    data.prepare(cfg.data)
+
+    from ddpexp import worker  # torch and the training stack, only once the config is known to be good
+
+    try:
+        get_method(cfg.launcher._target_)(worker.main, cfg, job)
+    except BaseException as e:
+        record_failure(job, e, time.time() - start)
+        raise
+    summary = read_json(job.summary_path) or {}
+    final = summary.get("final", {})
+    metrics = " ".join(f"{k}={v:.4f}" for k, v in final.items())
+    print(f"ddpexp: {summary.get('status', 'finished')} in {time.time() - start:.1f}s: {metrics} -> {job.dir}")
+    return final.get("val/acc")
+
+
+def to_config(dcfg: DictConfig) -> Config:
+    """Resolve ${...} and run every __post_init__ check, here in the parent before anything starts."""
+    try:
+        cfg = OmegaConf.to_object(dcfg)
+    except OmegaConfBaseException as e:
+        if isinstance(e.__cause__, ConfigError):
+            raise e.__cause__ from None
+        raise
+    assert isinstance(cfg, Config)
+    return cfg
+
+
+def resolve_devices(cfg: Config) -> None:
+    """Pin `device` and `gpus` for a launcher that starts ranks on this machine."""
+    import torch
+
+    visible = torch.cuda.device_count()
+    if cfg.device == "cuda" and visible == 0:
+        raise ConfigError("device=cuda: no CUDA GPU is visible here; use device=cpu (or device=auto)")
+    cfg.device = cfg.device if cfg.device != "auto" else ("cuda" if visible else "cpu")
+    cfg.gpus = cfg.gpus or (visible if cfg.device == "cuda" else 2)
+    if cfg.device == "cuda" and cfg.gpus > visible:
+        raise ConfigError(f"gpus={cfg.gpus}: only {visible} CUDA GPU(s) visible here; use gpus<={visible}")
+
+
+def make_job(config_yaml: str) -> Job:
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    job_dir = os.path.abspath(hc.runtime.output_dir)
+    return Job(
+        dir=job_dir,
+        name=hc.job.override_dirname or os.path.basename(job_dir),
+        group=str(hc.sweep.dir) if multirun else None,
+        launcher=hc.runtime.choices["launcher"],
+        config_yaml=config_yaml,
+        overrides=list(hc.overrides.task),
+    )
+
+
+def record_failure(job: Job, error: BaseException, wall_time_s: float) -> None:
+    """The parent has the last word on a failed job: a rank killed before writing its summary leaves none."""
+    summary: dict[str, Any] = read_json(job.summary_path) or {"launcher": job.launcher}
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    summary.update(status="failed", error=first, wall_time_s=round(wall_time_s, 3))
+    if isinstance(error, RankFailure):
+        summary["error_detail"] = error.detail
+    write_json(job.summary_path, summary)

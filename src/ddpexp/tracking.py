@@ -1,0 +1,107 @@
+"""Rank 0's tracker: the local run record (metrics.jsonl, summary.json) and one W&B run; a no-op elsewhere."""
+
+from __future__ import annotations
+
+import json
+import logging
+import netrc
+import os
+import sys
+from typing import Any, Optional
+
+from ddpexp.config import WandbConfig
+from ddpexp.job import Job, write_json
+
+log = logging.getLogger("ddpexp")
+
+
+class NullTracker:
+    """What ranks other than 0 get, so the loop never needs `if rank == 0` around logging."""
+
+    def log(self, metrics: dict[str, float], step: int, epoch: int) -> None:
+        pass
+
+    def progress(self, text: str) -> None:
+        pass
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        pass
+
+
+class Tracker(NullTracker):
+    def __init__(self, job: Job, wandb_cfg: WandbConfig, config: dict[str, Any], progress_bar: bool):
+        self.job = job
+        self.metrics = open(job.metrics_path, "a", buffering=1)
+        self.tty = progress_bar and sys.stderr.isatty()
+        self.run, self.wandb_info = init_wandb(wandb_cfg, job, config)
+
+    def log(self, metrics: dict[str, float], step: int, epoch: int) -> None:
+        self.metrics.write(json.dumps({"step": step, "epoch": epoch, **metrics}) + "\n")
+        if self.run is not None:
+            self.run.log({**metrics, "epoch": epoch}, step=step)
+
+    def progress(self, text: str) -> None:
+        if self.tty:
+            sys.stderr.write(f"\r{text}\033[K")
+            sys.stderr.flush()
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+        summary = {**summary, "wandb": self.wandb_info}
+        write_json(self.job.summary_path, summary)
+        self.metrics.close()
+        if self.run is not None:
+            try:
+                self.run.summary.update({"status": summary["status"], **summary.get("final", {})})
+                self.run.finish(exit_code=0 if summary["status"] == "completed" else 1)
+            except Exception as e:  # a tracker failure must never turn a finished run into a failed one
+                log.warning("W&B finish failed: %s", e)
+
+
+def has_api_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1]
+        return netrc.netrc().authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def init_wandb(cfg: WandbConfig, job: Job, config: dict[str, Any]) -> tuple[Optional[Any], dict[str, Any]]:
+    """Start the job's W&B run. Failing online falls back to offline, failing offline to disabled: never raise."""
+    mode = cfg.mode
+    if mode == "auto":
+        mode = "online" if has_api_key() else "offline"
+    for attempt in [mode] + (["offline"] if mode == "online" else []):
+        if attempt == "disabled":
+            break
+        try:
+            run = _wandb_init(cfg, job, config, attempt)
+        except Exception as e:  # no network, bad key, service error: warn and go on
+            log.warning("W&B %s init failed (%s: %s); continuing without it", attempt, type(e).__name__, e)
+            continue
+        run_dir = os.path.dirname(run.dir)
+        if attempt == "offline":
+            log.info("W&B offline run %s; upload later with: wandb sync %s", run.id, run_dir)
+        return run, {"mode": attempt, "id": run.id, "dir": run_dir, "project": cfg.project, "group": run.group or None}
+    return None, {"mode": "disabled", "id": None, "dir": None}
+
+
+def _wandb_init(cfg: WandbConfig, job: Job, config: dict[str, Any], mode: str) -> Any:
+    import wandb
+
+    return wandb.init(
+        project=cfg.project,
+        entity=cfg.entity,
+        group=cfg.group or job.group,
+        name=cfg.name or job.name,
+        tags=list(cfg.tags),
+        notes=cfg.notes,
+        job_type=cfg.job_type,
+        config=config,
+        dir=job.dir,
+        mode=mode,
+        settings=wandb.Settings(init_timeout=cfg.init_timeout_s, console="off", silent=True),
+    )

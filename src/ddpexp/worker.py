@@ -1,0 +1,298 @@
+"""The one DDP train loop: every launcher starts ranks with env:// variables and calls `main(cfg, job)` in each.
+
+The worker owns the process group, seeding, data, model, optimizer, the loop, evaluation, checkpoints and
+tracking; it reads RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE and nothing launcher-specific.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hydra.utils import instantiate
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from ddpexp import checkpoint
+from ddpexp.config import Config
+from ddpexp.job import Job
+from ddpexp.optim import call_accepting
+from ddpexp.tracking import NullTracker, Tracker
+
+log = logging.getLogger("ddpexp")
+
+
+def main(cfg: Config, job: Job) -> None:
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    handlers = _setup_logging(job, rank)
+    device = _device(cfg, local_rank)
+    _limit_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method="env://",
+        timeout=timedelta(seconds=cfg.dist_timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    tracker: NullTracker = NullTracker()
+    summary: dict[str, Any] = {"status": "failed", "launcher": job.launcher, "world_size": world_size}
+    start = time.time()
+    try:
+        hosts: list[str] = [""] * world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+        if rank == 0:
+            tracker = Tracker(job, cfg.wandb, _config_dict(job), cfg.progress_bar)
+        summary.update(device=str(device), hostnames=sorted(set(hosts)), **_environment())
+        summary.update(train(cfg, job, device, tracker))
+        summary["status"] = "completed"
+    except BaseException as e:
+        log.exception("rank %d failed", rank)
+        summary["error"] = f"{type(e).__name__}: {e} (rank {rank})"
+        raise
+    finally:
+        summary["wall_time_s"] = round(time.time() - start, 3)
+        tracker.finish(summary)
+        dist.destroy_process_group()
+        for h in handlers:
+            logging.getLogger("ddpexp").removeHandler(h)
+            h.close()
+
+
+def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker) -> dict[str, Any]:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # Same seed everywhere so every replica starts from the same weights (DDP also broadcasts them).
+    _seed(cfg.seed)
+    splits = instantiate(cfg.data)
+    model = call_accepting(
+        instantiate(cfg.model, _partial_=True),
+        num_classes=splits.num_classes, in_channels=splits.in_channels, image_size=splits.image_size,
+    ).to(device)  # fmt: skip
+    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    model = model.to(memory_format=memory_format)
+    if cfg.ddp.sync_batchnorm:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    ddp = DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=cfg.ddp.find_unused_parameters,
+        static_graph=cfg.ddp.static_graph,
+        gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
+        bucket_cap_mb=cfg.ddp.bucket_cap_mb,
+    )
+    step_model = torch.compile(ddp) if cfg.compile else ddp
+    _seed(cfg.seed + rank)  # per-rank streams for anything random after this point (dropout, augmentation)
+
+    sampler = DistributedSampler(splits.train, world_size, rank, shuffle=True, seed=cfg.seed)
+    loader = DataLoader(
+        splits.train, cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
+        pin_memory=device.type == "cuda", persistent_workers=cfg.num_workers > 0,
+    )  # fmt: skip
+    n_batches = len(loader)
+    steps_per_epoch = -(-n_batches // cfg.grad_accum)
+    total_steps = min(cfg.max_steps or sys.maxsize, cfg.epochs * steps_per_epoch)
+    optimizer = instantiate(cfg.optimizer)(ddp.parameters())
+    scheduler = call_accepting(instantiate(cfg.scheduler), optimizer, total_steps=total_steps) if cfg.scheduler else None
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+    autocast = torch.autocast(
+        device.type, dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float16, enabled=cfg.precision != "fp32"
+    )
+    log.info(
+        "rank %d/%d on %s: %d train / %d val samples, %d steps/epoch, %d steps",
+        rank, world_size, device, len(splits.train), len(splits.val), steps_per_epoch, total_steps,
+    )  # fmt: skip
+
+    step, epoch, final = 0, 0, {}
+    loss_sum = torch.zeros((), device=device)
+    last_log = (time.perf_counter(), 0)  # (time, step) of the last log line
+    for epoch in range(cfg.epochs):
+        sampler.set_epoch(epoch)
+        ddp.train()
+        group: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i, (x, y) in enumerate(loader):
+            group.append((x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True)))
+            if len(group) < cfg.grad_accum and i < n_batches - 1:
+                continue
+            loss_sum += _optimizer_step(cfg, step_model, ddp, optimizer, scaler, autocast, group)
+            group = []
+            if scheduler is not None:
+                scheduler.step()
+            step += 1
+            if cfg.debug.fail_at_step == step and rank == cfg.debug.fail_rank:
+                raise RuntimeError(f"debug.fail_at_step={step}: rank {rank} fails on purpose")
+            tracker.progress(f"epoch {epoch} step {step}/{total_steps}")
+            if step % cfg.log_every_n_steps == 0 or step == total_steps:
+                final["train/loss"], last_log = _log_train(cfg, tracker, optimizer, loss_sum, step, epoch, last_log)
+                loss_sum.zero_()
+            if step >= total_steps:
+                break
+        last_epoch = step >= total_steps or epoch == cfg.epochs - 1
+        if (epoch + 1) % cfg.eval_every_n_epochs == 0 or last_epoch:
+            metrics = evaluate(model, splits.val, cfg.batch_size, device, autocast, memory_format)
+            tracker.log(metrics, step, epoch)
+            final.update(metrics)
+            log.info("epoch %d step %d: val/loss %.4f val/acc %.4f", epoch, step, metrics["val/loss"], metrics["val/acc"])
+        if last_epoch or (cfg.checkpoint_every_n_epochs and (epoch + 1) % cfg.checkpoint_every_n_epochs == 0):
+            _save_checkpoint(cfg, job, model, optimizer, scheduler, scaler, epoch, step)
+        if step >= total_steps:
+            break
+
+    result: dict[str, Any] = {"final": final, "steps": step, "epochs": epoch + 1, "val_samples": len(splits.val)}
+    result["restarts"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if cfg.debug.check_replicas:
+        result["replicas"] = _compare_replicas(model)
+    return result
+
+
+def _optimizer_step(cfg, step_model, ddp, optimizer, scaler, autocast, group) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Forward/backward over the micro-batches of one step (no all-reduce until the last), then step."""
+    total = torch.zeros((), device=group[0][0].device)
+    for j, (x, y) in enumerate(group):
+        sync = j == len(group) - 1
+        with nullcontext() if sync else ddp.no_sync(), autocast:
+            loss = F.cross_entropy(step_model(x), y) / len(group)
+        scaler.scale(loss).backward()
+        total += loss.detach()
+    if cfg.clip_grad_norm:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), cfg.clip_grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def _log_train(cfg, tracker, optimizer, loss_sum, step, epoch, last_log):  # type: ignore[no-untyped-def]
+    """The only host sync of the train loop: once per log interval, on every rank (an all-reduce)."""
+    reduced = loss_sum.clone()
+    dist.all_reduce(reduced)
+    steps = step - last_log[1]
+    loss = reduced.item() / (steps * dist.get_world_size())
+    now = time.perf_counter()
+    samples = steps * cfg.grad_accum * cfg.batch_size * dist.get_world_size()
+    metrics = {"train/loss": loss, "lr": optimizer.param_groups[0]["lr"], "samples_per_s": samples / (now - last_log[0])}
+    tracker.log(metrics, step, epoch)
+    log.info("epoch %d step %d: train/loss %.4f lr %.3g samples/s %.0f", epoch, step, *metrics.values())
+    return loss, (now, step)
+
+
+@torch.no_grad()
+def evaluate(model, dataset, batch_size, device, autocast, memory_format=torch.contiguous_format) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Exact evaluation: rank r scores samples r, r+N, ... (each sample once, no padding), then sums are reduced.
+
+    Runs on the unwrapped module: DDP's forward would broadcast buffers, a collective that hangs when the
+    ranks hold different numbers of batches."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    was_training = model.training
+    model.eval()
+    shard = Subset(dataset, range(rank, len(dataset), world_size))
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    for x, y in DataLoader(shard, batch_size):
+        x, y = x.to(device, memory_format=memory_format), y.to(device)
+        with autocast:
+            out = model(x)
+        sums[0] += F.cross_entropy(out.float(), y, reduction="sum")
+        sums[1] += (out.argmax(1) == y).sum()
+        sums[2] += len(y)
+    dist.all_reduce(sums)
+    model.train(was_training)
+    loss, correct, count = sums.tolist()
+    return {"val/loss": loss / count, "val/acc": correct / count}
+
+
+def _save_checkpoint(cfg, job, model, optimizer, scheduler, scaler, epoch, step) -> None:  # type: ignore[no-untyped-def]
+    if dist.get_rank() != 0:
+        return
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
+        "epoch": epoch,
+        "step": step,
+        "rng": checkpoint.rng_state(),
+        "config": job.config_yaml,
+    }
+    checkpoint.save(state, os.path.join(job.checkpoint_dir, "last.pt"))
+
+
+def _compare_replicas(model: torch.nn.Module) -> dict[str, Any]:
+    """All-gather every rank's flattened parameters and compare them with rank 0's."""
+    flat = torch.cat([p.detach().flatten().float() for p in model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    diff = max((g - gathered[0]).abs().max().item() for g in gathered)
+    return {"identical": diff == 0.0, "max_abs_diff": diff, "numel": flat.numel()}
+
+
+def _device(cfg: Config, local_rank: int) -> torch.device:
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    torch.backends.cudnn.benchmark = True
+    return torch.device("cuda", local_rank)
+
+
+def _limit_threads(local_world_size: int) -> None:
+    """Split the cores between this node's ranks; N ranks x all cores each oversubscribes the CPU."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // local_world_size))
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set: a second job in the same process (gpus=1 inside a multirun)
+        pass
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _setup_logging(job: Job, rank: int) -> list[logging.Handler]:
+    logger = logging.getLogger("ddpexp")
+    logger.setLevel(logging.INFO)
+    os.makedirs(os.path.dirname(job.log_path(rank)), exist_ok=True)
+    handlers: list[logging.Handler] = [logging.FileHandler(job.log_path(rank))]
+    if rank == 0 and not logging.getLogger().handlers:  # a spawned process: Hydra's console handler is not here
+        handlers.append(logging.StreamHandler(sys.stdout))
+    for h in handlers:
+        h.setFormatter(logging.Formatter(f"[%(asctime)s][rank{rank}] %(message)s", "%H:%M:%S"))
+        logger.addHandler(h)
+    return handlers
+
+
+def _config_dict(job: Job) -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load(job.config_yaml)
+
+
+def _environment() -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        sha = git.stdout.strip() if git.returncode == 0 else ""
+    except (OSError, subprocess.TimeoutExpired):
+        sha = ""
+    versions = {"python": platform.python_version()}
+    for pkg in ("torch", "torchvision", "hydra-core", "wandb", "ddpexp"):
+        try:
+            versions[pkg] = version(pkg)
+        except PackageNotFoundError:
+            versions[pkg] = None
+    return {"versions": versions, "git_sha": sha or None}
