@@ -12,9 +12,15 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", 
 
 
 def _task(dcfg: Any) -> Any:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from ddpexp.errors import report
     from ddpexp.run import run
 
-    return run(dcfg)
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return run(dcfg)  # a failed job is recorded by Hydra and the sweep goes on
+    return report(lambda: run(dcfg))
 
 
 def main() -> None:
@@ -22,7 +28,9 @@ def main() -> None:
     from ddpexp.errors import install_error_reporting
 
     if not os.path.isdir(CONF_DIR):
-        sys.exit(f"ddpexp: error: no conf/ at {os.path.normpath(CONF_DIR)}: install ddpexp from its checkout (pip install -e .)")
+        sys.exit(
+            f"ddpexp: error: no conf/ at {os.path.normpath(CONF_DIR)}: install ddpexp from its checkout (pip install -e .)"
+        )
     register_configs()
     install_error_reporting()
     hydra.main(config_path=os.path.normpath(CONF_DIR), config_name="config", version_base="1.3")(_task)()

@@ -7,7 +7,7 @@ before any rank starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
@@ -41,12 +41,12 @@ class LauncherConfig:
 class WandbConfig:
     mode: str = "auto"  # auto: online if an API key is configured, else offline
     project: str = "ddpexp"
-    entity: Optional[str] = None
-    group: Optional[str] = None  # default: the sweep (all jobs of one -m share it); none for single runs
-    name: Optional[str] = None  # default: the job's overrides
+    entity: str | None = None
+    group: str | None = None  # default: the sweep (all jobs of one -m share it); none for single runs
+    name: str | None = None  # default: the job's overrides
     tags: list[str] = field(default_factory=list)
-    notes: Optional[str] = None
-    job_type: Optional[str] = None
+    notes: str | None = None
+    job_type: str | None = None
     init_timeout_s: float = 30.0  # wandb.init waiting longer than this falls back to offline
 
     def __post_init__(self) -> None:
@@ -73,7 +73,7 @@ class DebugConfig:
     """Test and diagnosis hooks; all off by default."""
 
     check_replicas: bool = False  # all-gather the final parameters and record whether ranks agree
-    fail_at_step: Optional[int] = None  # raise on `fail_rank` at this optimizer step
+    fail_at_step: int | None = None  # raise on `fail_rank` at this optimizer step
     fail_rank: int = 0
 
 
@@ -88,19 +88,19 @@ class Config:
     ddp: DDPConfig = field(default_factory=DDPConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
-    gpus: Optional[int] = None  # processes per node; null: all visible GPUs, or 2 CPU processes without GPUs
+    gpus: int | None = None  # processes per node; null: all visible GPUs, or 2 CPU processes without GPUs
     device: str = "auto"
-    epochs: int = 3
-    max_steps: Optional[int] = None  # optimizer steps; stops before `epochs` when reached
+    epochs: int = 5
+    max_steps: int | None = None  # optimizer steps; stops before `epochs` when reached
     batch_size: int = 64  # per process
     grad_accum: int = 1
     precision: str = "fp32"
-    clip_grad_norm: Optional[float] = None
+    clip_grad_norm: float | None = None
     seed: int = 0
     dist_timeout_s: float = 300.0  # a collective waiting longer than this fails the job instead of hanging it
     log_every_n_steps: int = 10
     eval_every_n_epochs: int = 1
-    checkpoint_every_n_epochs: Optional[int] = None  # last.pt is always written at the end
+    checkpoint_every_n_epochs: int | None = None  # last.pt is always written at the end
     num_workers: int = 0
     compile: bool = False
     channels_last: bool = False

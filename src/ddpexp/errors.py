@@ -4,7 +4,8 @@ the failing rank's traceback (exit 1). Hydra's own reporting prints multi-line m
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 CONFIG_EXIT, FAILED_EXIT = 2, 1
 _SKIP = ("full_key:", "object_type=", "reference_type=", "Set the environment variable HYDRA_FULL_ERROR")
@@ -21,13 +22,15 @@ def one_line(error: BaseException) -> str:
             line = line.strip()
             if line.startswith("Config search path"):
                 break
-            if not line or line.startswith(_SKIP):
+            if not line:
+                listing = False
+            elif line.startswith(_SKIP):
                 continue
-            if listing:
-                parts[-1] += (", " if not parts[-1].endswith(":") else " ") + line
+            elif listing:
+                parts[-1] += (" " if parts[-1].endswith(":") else ", ") + line
             else:
                 parts.append(line)
-            listing = line.endswith(":")
+                listing = line.endswith(":")
     return " ".join(p.rstrip(".") + "." if not p.endswith((".", ":")) else p for p in parts).rstrip(":. ")
 
 

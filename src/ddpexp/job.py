@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass
 class Job:
     dir: str  # absolute; Hydra made it in the parent, ranks only write into it
     name: str  # W&B run name: the job's overrides
-    group: Optional[str]  # W&B group: the sweep, None for a single run
+    group: str | None  # W&B group: the sweep, None for a single run
     launcher: str  # the `launcher=` choice
     config_yaml: str  # the resolved config, as the checkpoint and W&B store it
     overrides: list[str] = field(default_factory=list)
@@ -41,7 +41,7 @@ def write_json(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def read_json(path: str) -> Optional[dict[str, Any]]:
+def read_json(path: str) -> dict[str, Any] | None:
     try:
         with open(path) as f:
             return json.load(f)

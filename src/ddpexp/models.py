@@ -15,7 +15,9 @@ def mlp(num_classes: int, in_channels: int, image_size: int, hidden: tuple[int, 
     return nn.Sequential(*layers, nn.Linear(dims[-1], num_classes))
 
 
-def cnn(num_classes: int, in_channels: int, image_size: int, channels: tuple[int, int] = (32, 64), hidden: int = 128) -> Any:
+def cnn(
+    num_classes: int, in_channels: int, image_size: int, channels: tuple[int, int] = (32, 64), hidden: int = 128
+) -> Any:
     """conv32-conv64-maxpool-fc128: the PyTorch MNIST example's net, without dropout (DDP-reproducible)."""
     from torch import nn
 

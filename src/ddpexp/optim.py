@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def cosine(optimizer: Any, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0) -> Any:

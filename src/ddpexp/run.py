@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 from hydra.core.hydra_config import HydraConfig
@@ -22,7 +22,7 @@ from ddpexp.launchers import RankFailure
 log = logging.getLogger("ddpexp")
 
 
-def run(dcfg: DictConfig) -> Optional[float]:
+def run(dcfg: DictConfig) -> float | None:
     """Hydra's task function: one experiment, a full DDP run. Returns the final val/acc."""
     start = time.time()
     cfg = to_config(dcfg)
@@ -42,7 +42,10 @@ def run(dcfg: DictConfig) -> Optional[float]:
     except BaseException as e:
         record_failure(job, e, time.time() - start)
         raise
-    summary = read_json(job.summary_path) or {}
+    summary = read_json(job.summary_path)
+    if summary is None:  # multi-node: global rank 0, and with it the run record, is on another node
+        print(f"ddpexp: this node's ranks finished in {time.time() - start:.1f}s; rank 0 holds the run record")
+        return None
     final = summary.get("final", {})
     metrics = " ".join(f"{k}={v:.4f}" for k, v in final.items())
     print(f"ddpexp: {summary.get('status', 'finished')} in {time.time() - start:.1f}s: {metrics} -> {job.dir}")
@@ -80,12 +83,33 @@ def make_job(config_yaml: str) -> Job:
     job_dir = os.path.abspath(hc.runtime.output_dir)
     return Job(
         dir=job_dir,
-        name=hc.job.override_dirname or os.path.basename(job_dir),
+        name=run_name(list(hc.overrides.task), str(hc.sweep.dir) if multirun else None) or os.path.basename(job_dir),
         group=str(hc.sweep.dir) if multirun else None,
         launcher=hc.runtime.choices["launcher"],
         config_yaml=config_yaml,
         overrides=list(hc.overrides.task),
     )
+
+
+def run_name(overrides: list[str], sweep_dir: str | None) -> str:
+    """The overrides that tell this job apart: in a sweep, those of the swept keys; else all of them."""
+    key = lambda o: o.split("=", 1)[0].lstrip("+~")  # noqa: E731
+    if sweep_dir is not None:
+        swept = swept_keys(sweep_dir)
+        if any(key(o) in swept for o in overrides):
+            overrides = [o for o in overrides if key(o) in swept]
+    return ",".join(sorted(overrides, key=key))
+
+
+def swept_keys(sweep_dir: str) -> set[str]:
+    """Keys given several values on the command line, read from the multirun.yaml Hydra writes first."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        task = OmegaConf.load(os.path.join(sweep_dir, "multirun.yaml")).hydra.overrides.task
+    except (FileNotFoundError, OmegaConfBaseException):
+        return set()
+    return {o.get_key_element() for o in OverridesParser.create().parse_overrides(list(task)) if o.is_sweep_override()}
 
 
 def record_failure(job: Job, error: BaseException, wall_time_s: float) -> None:

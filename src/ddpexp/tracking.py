@@ -7,7 +7,7 @@ import logging
 import netrc
 import os
 import sys
-from typing import Any, Optional
+from typing import Any
 
 from ddpexp.config import WandbConfig
 from ddpexp.job import Job, write_json
@@ -69,7 +69,7 @@ def has_api_key() -> bool:
         return False
 
 
-def init_wandb(cfg: WandbConfig, job: Job, config: dict[str, Any]) -> tuple[Optional[Any], dict[str, Any]]:
+def init_wandb(cfg: WandbConfig, job: Job, config: dict[str, Any]) -> tuple[Any | None, dict[str, Any]]:
     """Start the job's W&B run. Failing online falls back to offline, failing offline to disabled: never raise."""
     mode = cfg.mode
     if mode == "auto":

@@ -104,7 +104,9 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker) -> 
     steps_per_epoch = -(-n_batches // cfg.grad_accum)
     total_steps = min(cfg.max_steps or sys.maxsize, cfg.epochs * steps_per_epoch)
     optimizer = instantiate(cfg.optimizer)(ddp.parameters())
-    scheduler = call_accepting(instantiate(cfg.scheduler), optimizer, total_steps=total_steps) if cfg.scheduler else None
+    scheduler = (
+        call_accepting(instantiate(cfg.scheduler), optimizer, total_steps=total_steps) if cfg.scheduler else None
+    )
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     autocast = torch.autocast(
         device.type, dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float16, enabled=cfg.precision != "fp32"
@@ -122,7 +124,9 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker) -> 
         ddp.train()
         group: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i, (x, y) in enumerate(loader):
-            group.append((x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True)))
+            group.append(
+                (x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True))
+            )
             if len(group) < cfg.grad_accum and i < n_batches - 1:
                 continue
             loss_sum += _optimizer_step(cfg, step_model, ddp, optimizer, scaler, autocast, group)
@@ -143,7 +147,9 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker) -> 
             metrics = evaluate(model, splits.val, cfg.batch_size, device, autocast, memory_format)
             tracker.log(metrics, step, epoch)
             final.update(metrics)
-            log.info("epoch %d step %d: val/loss %.4f val/acc %.4f", epoch, step, metrics["val/loss"], metrics["val/acc"])
+            log.info(
+                "epoch %d step %d: val/loss %.4f val/acc %.4f", epoch, step, metrics["val/loss"], metrics["val/acc"]
+            )
         if last_epoch or (cfg.checkpoint_every_n_epochs and (epoch + 1) % cfg.checkpoint_every_n_epochs == 0):
             _save_checkpoint(cfg, job, model, optimizer, scheduler, scaler, epoch, step)
         if step >= total_steps:
@@ -182,7 +188,11 @@ def _log_train(cfg, tracker, optimizer, loss_sum, step, epoch, last_log):  # typ
     loss = reduced.item() / (steps * dist.get_world_size())
     now = time.perf_counter()
     samples = steps * cfg.grad_accum * cfg.batch_size * dist.get_world_size()
-    metrics = {"train/loss": loss, "lr": optimizer.param_groups[0]["lr"], "samples_per_s": samples / (now - last_log[0])}
+    metrics = {
+        "train/loss": loss,
+        "lr": optimizer.param_groups[0]["lr"],
+        "samples_per_s": samples / (now - last_log[0]),
+    }
     tracker.log(metrics, step, epoch)
     log.info("epoch %d step %d: train/loss %.4f lr %.3g samples/s %.0f", epoch, step, *metrics.values())
     return loss, (now, step)
@@ -272,6 +282,8 @@ def _setup_logging(job: Job, rank: int) -> list[logging.Handler]:
     for h in handlers:
         h.setFormatter(logging.Formatter(f"[%(asctime)s][rank{rank}] %(message)s", "%H:%M:%S"))
         logger.addHandler(h)
+    # Tracebacks go to the rank's file only: the launcher shows the failing rank's once, not every rank's echo.
+    handlers[-1].addFilter(lambda record: record.exc_info is None or len(handlers) == 1)
     return handlers
 
 

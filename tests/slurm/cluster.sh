@@ -43,11 +43,14 @@ NODELIST=$(seq -f 'node%g' -s, 1 "$NODES")
 
 log() { echo "[cluster.sh] $*" >&2; }
 
-# pid from a pid file if that process is alive and is the expected program (guards against pid reuse)
+# process exists and is not a zombie (exited daemons may linger as zombies under pid 1 in sandboxes)
+running() { local st; st=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) && [[ -n $st && $st != Z ]]; }
+
+# pid from a pid file if that process is running and is the expected program (guards against pid reuse)
 alive() { # <pidfile> <comm>
   local pid
   pid=$(cat "$1" 2>/dev/null) || return 1
-  [[ -n $pid && $(cat "/proc/$pid/comm" 2>/dev/null) == "$2" ]] && echo "$pid"
+  [[ -n $pid && $(cat "/proc/$pid/comm" 2>/dev/null) == "$2" ]] && running "$pid" && echo "$pid"
 }
 
 # every daemon as "pidfile:comm"
@@ -161,28 +164,42 @@ cmd_start() {
   cmd_env
 }
 
+# pids of processes whose environment carries our marker, plus all their descendants
+tagged_tree() {
+  local e pid pids=() kids
+  for e in /proc/[0-9]*/environ; do
+    pid=${e#/proc/}; pid=${pid%/environ}
+    { tr '\0' '\n' <"$e" | grep -qxF "$TAG"; } 2>/dev/null && pids+=("$pid")
+  done
+  while ((${#pids[@]})); do
+    printf '%s\n' "${pids[@]}"
+    kids=$(ps -o pid= --ppid "$(IFS=,; echo "${pids[*]}")" 2>/dev/null || true)
+    read -r -a pids <<<"$(echo $kids)"
+  done
+}
+
 cmd_stop() {
-  local e pf comm pid any=0
-  # cancel jobs first so slurmd can reap their steps (only if our controller is up)
+  local pf comm pid ids any=0
+  # cancel all jobs first so slurmstepd can kill and reap their processes (only if our controller is up)
   if alive "$DIR/run/slurmctld.pid" slurmctld >/dev/null; then
-    scancel --full --state=PENDING,RUNNING,SUSPENDED,REQUEUED 2>/dev/null || true
-    for _ in $(seq 20); do [[ -z $(squeue -h -t R,CG,S -o %i 2>/dev/null) ]] && break; sleep 0.5; done
+    ids=$(squeue -h -r -o %i 2>/dev/null || true)
+    if [[ -n $ids ]]; then
+      log "cancelling jobs: $(echo $ids)"; scancel $ids 2>/dev/null || true
+      for _ in $(seq 30); do [[ -z $(squeue -h -o %i 2>/dev/null) ]] && break; sleep 0.5; done
+    fi
   fi
   # stop slurmds, then the controller, then munged (reverse start order)
   while IFS=: read -r pf comm; do
     pid=$(alive "$pf" "$comm") || continue
     any=1; kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 40); do [[ -d /proc/$pid ]] || break; sleep 0.25; done
-    [[ -d /proc/$pid ]] && { log "$comm ($pid) ignored SIGTERM, killing"; kill -KILL "$pid" 2>/dev/null || true; }
+    for _ in $(seq 40); do running "$pid" || break; sleep 0.25; done
+    running "$pid" && { log "$comm ($pid) ignored SIGTERM, killing"; kill -KILL "$pid" 2>/dev/null || true; }
     rm -f "$pf"
   done < <(daemons | tac)
-  # leftover slurmstepd (and anything else) that carries our marker
-  for e in /proc/[0-9]*/environ; do
-    if tr '\0' '\n' <"$e" 2>/dev/null | grep -qxF "$TAG"; then
-      pid=${e#/proc/}; pid=${pid%/environ}
-      [[ $pid == "$$" || $pid == "$BASHPID" ]] && continue
-      log "killing leftover $(cat "/proc/$pid/comm" 2>/dev/null) ($pid)"; kill -KILL "$pid" 2>/dev/null || true; any=1
-    fi
+  # leftovers (slurmstepd inherits the marker; job processes are its descendants)
+  for pid in $(tagged_tree); do
+    running "$pid" || continue
+    log "killing leftover $(cat "/proc/$pid/comm" 2>/dev/null) ($pid)"; kill -KILL "$pid" 2>/dev/null || true; any=1
   done
   ((any)) && log "stopped ($DIR)" || log "was not running ($DIR)"
 }

@@ -7,6 +7,7 @@ Checks: a tasks_per_node=2 job returns its result and its state goes to COMPLETE
 job, a job whose task raises and a job whose process dies without a result are all seen as
 finished by submitit (through the sacct stand-in on PATH).
 """
+
 import argparse
 import os
 import shutil
@@ -19,9 +20,14 @@ import submitit
 
 def whoami():
     env = submitit.JobEnvironment()
-    return dict(global_rank=env.global_rank, local_rank=env.local_rank, node=env.node,
-                num_tasks=env.num_tasks, hostnames=list(env.hostnames),
-                nodename=os.environ.get("SLURMD_NODENAME"))
+    return dict(
+        global_rank=env.global_rank,
+        local_rank=env.local_rank,
+        node=env.node,
+        num_tasks=env.num_tasks,
+        hostnames=list(env.hostnames),
+        nodename=os.environ.get("SLURMD_NODENAME"),
+    )
 
 
 def boom():
@@ -45,7 +51,9 @@ def main():
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--tasks-per-node", type=int, default=2)
     args = ap.parse_args()
-    assert shutil.which("sacct", path=os.environ["PATH"]).endswith("tests/slurm/bin/sacct"), "stand-in sacct not first on PATH"
+    assert shutil.which("sacct", path=os.environ["PATH"]).endswith("tests/slurm/bin/sacct"), (
+        "stand-in sacct not first on PATH"
+    )
     folder = tempfile.mkdtemp(prefix="ddpexp-submitit-")
     ex = submitit.AutoExecutor(folder=folder)
     assert ex.cluster == "slurm", ex.cluster

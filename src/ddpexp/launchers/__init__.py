@@ -15,8 +15,9 @@ class RankFailure(RuntimeError):
     """A rank died; the message carries its traceback's tail."""
 
     def __init__(self, rank: int | str, detail: str):
-        self.rank, self.detail = rank, detail.rstrip()
-        super().__init__(f"rank {rank} failed:\n{self.detail}")
+        self.rank, self.detail = rank, detail.strip()
+        last = self.detail.splitlines()[-1] if self.detail else "no traceback"
+        super().__init__(f"rank {rank} failed: {last}\n{self.detail}")
 
 
 def schema_name(name: str) -> str:

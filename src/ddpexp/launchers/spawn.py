@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 from ddpexp.config import LauncherConfig
 from ddpexp.launchers import RankFailure, tail
@@ -14,7 +15,7 @@ from ddpexp.launchers import RankFailure, tail
 class SpawnConfig(LauncherConfig):
     _target_: str = "ddpexp.launchers.spawn.launch"
     master_addr: str = "127.0.0.1"
-    master_port: Optional[int] = None  # null: a free port, bound by this process (no race between jobs)
+    master_port: int | None = None  # null: a free port, bound by this process (no race between jobs)
     inline_single: bool = True  # gpus=1 runs in this process, without spawning
 
 
@@ -39,7 +40,7 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
         else:
             mp.start_processes(_run_rank, args=(worker, cfg, job, env), nprocs=n, join=True, start_method="spawn")
     except mp.ProcessRaisedException as e:
-        raise RankFailure(e.error_index, tail(e.msg)) from None
+        raise RankFailure(e.error_index, tail(e.msg.split("error:", 1)[-1])) from None
     except mp.ProcessExitedException as e:
         raise RankFailure(e.error_index, f"exited with code {e.exit_code}") from None
     finally:

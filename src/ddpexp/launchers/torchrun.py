@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 from ddpexp.config import LauncherConfig, check
 from ddpexp.launchers import RankFailure, tail
@@ -21,7 +22,7 @@ class TorchrunConfig(LauncherConfig):
     rdzv_timeout_s: int = 900
     max_restarts: int = 0
     monitor_interval_s: float = 0.1
-    local_addr: Optional[str] = None
+    local_addr: str | None = None
 
     def __post_init__(self) -> None:
         lo, hi = self.node_range()
@@ -47,7 +48,9 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
     lc = cfg.launcher
     # Restarts over gloo reuse the previous round's TCP store ports and fail to connect (pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)  # keeps restart notices
+    # It logs every failed rank's traceback; RankFailure below shows the first failure's once.
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     min_nodes, max_nodes = lc.node_range()
     config = LaunchConfig(
         min_nodes=min_nodes,
@@ -66,7 +69,9 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
         elastic_launch(config, _run_rank)(worker, cfg, job)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        detail = failure.message.get("extraInfo", {}).get("py_callstack", "") if isinstance(failure.message, dict) else ""
+        detail = (
+            failure.message.get("extraInfo", {}).get("py_callstack", "") if isinstance(failure.message, dict) else ""
+        )
         raise RankFailure(rank, tail(detail or str(failure.message) or f"exit code {failure.exitcode}")) from None
 
 

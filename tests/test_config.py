@@ -1,0 +1,159 @@
+"""Every conf/ option composes into a typed Config; bad input fails with one clear line before any rank starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from conftest import ROOT, ddpexp_env, run_ddpexp
+from ddpexp.config import Config, ConfigError, register_configs
+from ddpexp.launchers import launcher_schemas
+from ddpexp.run import to_config
+
+CONF = ROOT / "conf"
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml")) if not f.stem.startswith("base_")]
+
+
+def make_config(*overrides: str) -> Config:
+    register_configs()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        dcfg = compose("config", overrides=list(overrides))
+    return to_config(dcfg)
+
+
+def test_groups_present() -> None:
+    assert {"launcher", "model", "data", "optimizer", "scheduler", "experiment"} <= set(GROUPS)
+    assert {"spawn", "torchrun"} <= {name for g, name in OPTIONS if g == "launcher"}
+
+
+@pytest.mark.parametrize(("group", "name"), OPTIONS, ids=[f"{g}={n}" for g, n in OPTIONS])
+def test_every_option_composes(group: str, name: str) -> None:
+    cfg = make_config(f"{group}={name}")
+    assert isinstance(cfg, Config)
+    if group == "launcher":  # one module + one dataclass + one YAML per launcher
+        assert type(cfg.launcher) is launcher_schemas()[name]
+        assert cfg.launcher._target_ == f"ddpexp.launchers.{name}.launch"
+
+
+def test_launcher_modules_have_yaml() -> None:
+    assert set(launcher_schemas()) == {name for g, name in OPTIONS if g == "launcher"}
+
+
+@pytest.mark.parametrize("name", [n for g, n in OPTIONS if g == "model"])
+@pytest.mark.parametrize("shape", [(1, 28), (3, 32), (1, 8)])
+def test_models_fit_the_data_shape(name: str, shape: tuple[int, int]) -> None:
+    import torch
+
+    from ddpexp.optim import call_accepting
+
+    in_channels, size = shape
+    if name.startswith("resnet") and size < 28 and name != "resnet18":
+        pytest.skip("one small-image ResNet check is enough")
+    cfg = make_config(f"model={name}")
+    model = call_accepting(
+        instantiate(cfg.model, _partial_=True), num_classes=7, in_channels=in_channels, image_size=size
+    )
+    assert model(torch.zeros(2, in_channels, size, size)).shape == (2, 7)
+
+
+def test_tutorial_preset_reproduces_the_seed_setup() -> None:
+    cfg = make_config("experiment=mnist_resnet101")
+    assert cfg.model["arch"] == "resnet101" and cfg.model["stem"] == "imagenet"
+    assert cfg.data["name"] == "MNIST" and cfg.optimizer["_target_"] == "torch.optim.Adam"
+    assert (cfg.batch_size, cfg.epochs, cfg.optimizer["lr"]) == (256, 10, 1e-3)
+    model = call_model(cfg)
+    assert model.conv1.kernel_size == (7, 7) and model.conv1.in_channels == 1
+
+
+def call_model(cfg: Config):  # type: ignore[no-untyped-def]
+    from ddpexp.optim import call_accepting
+
+    return call_accepting(instantiate(cfg.model, _partial_=True), num_classes=10, in_channels=1, image_size=28)
+
+
+def test_command_line_overrides_win_over_presets() -> None:
+    cfg = make_config("experiment=cifar10_resnet18", "batch_size=7", "optimizer.lr=0.5")
+    assert (cfg.batch_size, cfg.optimizer["lr"], cfg.scheduler["warmup_steps"]) == (7, 0.5, 200)
+
+
+def test_optimizers_and_schedulers_build() -> None:
+    import torch
+
+    from ddpexp.optim import call_accepting
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    for name, cls in [("sgd", torch.optim.SGD), ("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)]:
+        assert type(instantiate(make_config(f"optimizer={name}").optimizer)(params)) is cls
+    cfg = make_config("optimizer=sgd", "optimizer.lr=1.0", "scheduler=cosine", "scheduler.warmup_steps=2")
+    opt = instantiate(cfg.optimizer)(params)
+    sched = call_accepting(instantiate(cfg.scheduler), opt, total_steps=6)
+    lrs = []
+    for _ in range(6):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:3] == pytest.approx([0.5, 1.0, 1.0]) and lrs[3] == pytest.approx(0.5 * (1 + 0.5**0.5) / 1)
+    step = make_config("scheduler=step", "scheduler.step_size=1").scheduler
+    assert type(call_accepting(instantiate(step), opt, total_steps=6)) is torch.optim.lr_scheduler.StepLR
+    assert make_config("scheduler=none").scheduler is None
+
+
+def test_post_init_checks_name_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"^grad_accum=0: must be >= 1"):
+        make_config("grad_accum=0")
+    with pytest.raises(ConfigError, match=r"^launcher.nnodes='0:2'"):
+        make_config("launcher=torchrun", "launcher.nnodes=0:2")
+
+
+def test_resolved_once_in_the_parent() -> None:
+    cfg = make_config("seed=11")
+    assert cfg.data["seed"] == 11  # ${seed} resolved before ranks see it
+    assert OmegaConf.is_config(cfg.data) is False
+
+
+BAD_INPUT = [
+    (["model=nope"], "Could not find 'model/nope'. Available options in 'model': cnn, mlp, resnet101"),
+    (["nosuchkey=1"], "Could not override 'nosuchkey'"),
+    (["epochs=abc"], "epochs=abc. Value 'abc' of type 'str' could not be converted to Integer"),
+    (["gpus=0"], "gpus=0: must be >= 1"),
+    (["batch_size=0"], "batch_size=0: must be >= 1"),
+    (["precision=fp8"], "precision='fp8': must be one of fp32, bf16, fp16"),
+    (["launcher.bogus=1"], "Key 'bogus' not in 'SpawnConfig'"),
+    (["launcher=torchrun", "launcher.nnodes=2"], "launcher.nnodes=2: set launcher.rdzv_endpoint=HOST:PORT"),
+    (["device=cuda"], "device=cuda: no CUDA GPU is visible here"),
+    (["device=cuda", "gpus=4"], "device=cuda: no CUDA GPU is visible here"),
+    (
+        ["data=mnist", "data.root=empty"],
+        "MNIST not found (missing MNIST/raw/train-images-idx3-ubyte); set data.download=true",
+    ),
+    (["data=cifar10", "data.root=empty", "data.download=true"], "could not download CIFAR10 to"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_input_is_one_clear_line(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = run_ddpexp(*args, "hydra.run.dir=run", cwd=tmp_path, check=False, timeout=180)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ddpexp: error: "), proc.stderr
+    assert message in lines[0]
+    assert not (tmp_path / "run" / "logs").exists()  # no rank started
+
+
+@pytest.mark.parametrize("flag", ["--help", "--cfg=job"])
+def test_help_and_cfg_do_not_import_torch(tmp_path: Path, flag: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "ddpexp", flag],
+        cwd=tmp_path, env=ddpexp_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "hydra" in imported and "torch" not in imported
+    assert ("batch_size: 64" in proc.stdout) if flag == "--cfg=job" else ("== Config ==" in proc.stdout)

@@ -1,0 +1,197 @@
+"""Real multi-process DDP runs through the command line: spawn, torchrun (one and two nodes), a multirun sweep.
+
+Each test starts few processes and checks many things; every run has a hard timeout."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from conftest import QUICK, ddpexp_env, load_weights, read_metrics, read_summary, run_ddpexp
+from wandb_offline import find_offline_runs, read_offline_run
+
+pytestmark = pytest.mark.slow
+
+
+def write_mnist_idx(root: Path, n_train: int = 300, n_test: int = 101) -> None:
+    """MNIST's own IDX files (big-endian header + uint8 pixels), read back by torchvision's MNIST class."""
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for split, n in (("train", n_train), ("t10k", n_test)):
+        labels = rng.integers(0, 10, n).astype(np.uint8)
+        images = np.zeros((n, 28, 28), np.uint8)
+        for i, label in enumerate(labels):  # a bright bar whose position encodes the label: learnable
+            images[i, 2 + 2 * label : 5 + 2 * label, 4:24] = 255
+        images = np.clip(images + rng.integers(0, 40, images.shape), 0, 255).astype(np.uint8)
+        (raw / f"{split}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 0x803, n, 28, 28) + images.tobytes())
+        (raw / f"{split}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 0x801, n) + labels.tobytes())
+
+
+def check_run_record(job: Path, launcher: str, world_size: int) -> dict:
+    summary = read_summary(job)
+    assert summary["status"] == "completed", summary
+    assert (summary["launcher"], summary["world_size"], summary["device"]) == (launcher, world_size, "cpu")
+    assert summary["replicas"]["identical"] and summary["replicas"]["max_abs_diff"] == 0.0
+    assert set(summary["final"]) == {"train/loss", "val/loss", "val/acc"}
+    assert summary["versions"]["torch"] and summary["hostnames"] and summary["wall_time_s"] > 0
+    assert sorted(p.name for p in (job / "logs").iterdir()) == [f"rank{r}.log" for r in range(world_size)]
+    assert (job / ".hydra" / "config.yaml").exists() and len(list(job.rglob(".hydra"))) == 1
+    ckpt = __import__("torch").load(job / "checkpoints" / "last.pt", weights_only=True)
+    assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "rng", "config"} <= set(ckpt)
+    assert ckpt["step"] == summary["steps"] and yaml.safe_load(ckpt["config"])["launcher"]["_target_"]
+    return summary
+
+
+def check_wandb_matches_record(job: Path) -> dict:
+    """The W&B offline run, read back with wandb's own reader, holds the resolved config and metrics.jsonl."""
+    runs = find_offline_runs(job / "wandb")
+    assert len(runs) == 1
+    run = read_offline_run(runs[0])
+    summary, metrics = read_summary(job), read_metrics(job)
+    assert run["id"] == summary["wandb"]["id"] and summary["wandb"]["mode"] == "offline"
+    assert run["config"] == yaml.safe_load(ckpt_config(job))
+    by_step: dict[int, dict] = {}
+    for row in metrics:
+        by_step.setdefault(row["step"], {}).update(row)
+    history = {row["_step"]: row for row in run["history"]}
+    assert sorted(history) == sorted(by_step)
+    for step, row in by_step.items():
+        for key in ("train/loss", "val/acc", "val/loss", "lr"):
+            if key in row:
+                assert history[step][key] == pytest.approx(row[key], rel=1e-12), (step, key)
+        assert history[step]["epoch"] == row["epoch"]
+    assert run["summary"]["val/acc"] == pytest.approx(summary["final"]["val/acc"])
+    return run
+
+
+def ckpt_config(job: Path) -> str:
+    import torch
+
+    return torch.load(job / "checkpoints" / "last.pt", weights_only=True)["config"]
+
+
+def test_spawn_two_ranks_and_equal_to_one_rank_double_batch(tmp_path: Path) -> None:
+    two, one = tmp_path / "two", tmp_path / "one"
+    # SGD: the update is linear in the gradient, so float rounding stays at rounding size (Adam's m/sqrt(v)
+    # magnifies it for near-zero gradients).
+    common = ["launcher=spawn", "debug.check_replicas=true", *QUICK, "seed=3", "optimizer=sgd", "optimizer.lr=0.05"]
+    proc = run_ddpexp(*common, "gpus=2", "batch_size=32", f"hydra.run.dir={two}", cwd=tmp_path)
+    summary = check_run_record(two, "spawn", 2)
+    assert summary["steps"] == 2 * 23 and summary["val_samples"] == 359  # 1438/2 = 719 per rank, 23 batches of 32
+    assert f"val/acc={summary['final']['val/acc']:.4f}" in proc.stdout
+    metrics = read_metrics(two)
+    assert [m["step"] for m in metrics if "val/acc" in m] == [23, 46]
+    assert all(m["lr"] == 0.05 and m["samples_per_s"] > 0 for m in metrics if "train/loss" in m)
+    check_wandb_matches_record(two)
+
+    run_ddpexp(*common, "gpus=1", "batch_size=64", f"hydra.run.dir={one}", cwd=tmp_path)
+    assert read_summary(one)["world_size"] == 1
+    w2, w1 = load_weights(two), load_weights(one)
+    assert w2.keys() == w1.keys()
+    max_diff = max((w2[k] - w1[k]).abs().max().item() for k in w1)
+    assert 0 < max_diff < 1e-5 or max_diff == 0, max_diff
+    first_change = [k for k in w1 if not w1[k].eq(load_init(one, k)).all()]
+    assert first_change, "training changed no weight: the comparison would prove nothing"
+
+
+def load_init(job: Path, key: str):  # type: ignore[no-untyped-def]
+    """The seeded initial value of one parameter, rebuilt the way the worker builds the model."""
+    import torch
+
+    from ddpexp import models
+
+    torch.manual_seed(3)
+    return models.cnn(10, 1, 8).state_dict()[key]
+
+
+def test_torchrun_two_ranks_on_torchvision_mnist(tmp_path: Path) -> None:
+    write_mnist_idx(tmp_path / "data")
+    job = tmp_path / "job"
+    run_ddpexp(
+        "launcher=torchrun", "gpus=2", "data=mnist", f"data.root={tmp_path / 'data'}", "model=mlp",
+        "debug.check_replicas=true", "epochs=3", "batch_size=30", f"hydra.run.dir={job}", cwd=tmp_path,
+    )  # fmt: skip
+    summary = check_run_record(job, "torchrun", 2)
+    assert summary["val_samples"] == 101  # odd: exact eval counts each sample once
+    assert summary["final"]["val/acc"] > 0.5 and summary["restarts"] == 0
+    check_wandb_matches_record(job)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_two_nodes_on_loopback(tmp_path: Path) -> None:
+    """Two elastic agents, the same command on each "node", form one job of world size 4."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = ["launcher=torchrun", "gpus=2", "launcher.nnodes=2", f"launcher.rdzv_endpoint={endpoint}",
+            "max_steps=6", "debug.check_replicas=true", "wandb.mode=disabled"]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ddpexp", *args, f"hydra.run.dir={tmp_path / f'node{n}'}"],
+            cwd=tmp_path,
+            env=ddpexp_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for n in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=150)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert [p.returncode for p in nodes] == [0, 0], outputs
+    records = [d for d in tmp_path.glob("node*") if (d / "summary.json").exists()]
+    assert len(records) == 1  # only global rank 0 writes the run record
+    summary = read_summary(records[0])
+    assert summary["world_size"] == 4 and summary["replicas"]["identical"] and summary["steps"] == 6
+    logs = sorted(p.name for p in tmp_path.glob("node*/logs/rank*.log"))
+    assert logs == ["rank0.log", "rank1.log", "rank2.log", "rank3.log"]
+
+
+def test_multirun_sweep_runs_full_ddp_jobs_in_one_wandb_group(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    run_ddpexp(
+        "-m", "optimizer.lr=1e-3,3e-3", "model=cnn,mlp", "max_steps=4", "gpus=2", f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path, timeout=240,
+    )  # fmt: skip
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [j.name for j in jobs] == ["0", "1", "2", "3"]
+    assert all((j / ".hydra" / "overrides.yaml").exists() for j in jobs) and len(list(sweep.rglob(".hydra"))) == 4
+    runs = [read_offline_run(r) for r in find_offline_runs(sweep)]
+    assert len(runs) == 4 and {r["group"] for r in runs} == {str(sweep)}
+    assert sorted(r["name"] for r in runs) == sorted(
+        f"model={m},optimizer.lr={lr}" for m in ("cnn", "mlp") for lr in ("0.001", "0.003")
+    )
+    for job in jobs:
+        summary = read_summary(job)
+        assert (summary["status"], summary["world_size"], summary["steps"]) == ("completed", 2, 4)
+        overrides = yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text())
+        config = yaml.safe_load(ckpt_config(job))  # what the ranks trained with is what this job was given
+        assert f"optimizer.lr={config['optimizer']['lr']}" in overrides
+        assert f"model={config['model']['_target_'].split('.')[-1]}" in overrides
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_a_failing_rank_fails_the_command_with_its_traceback(tmp_path: Path, launcher: str) -> None:
+    proc = run_ddpexp(
+        f"launcher={launcher}", "gpus=2", "debug.fail_at_step=3", "debug.fail_rank=1", "wandb.mode=disabled",
+        "hydra.run.dir=job", cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "ddpexp: error: rank 1 failed: RuntimeError: debug.fail_at_step=3: rank 1 fails on purpose" in proc.stderr
+    assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr
+    summary = read_summary(tmp_path / "job")
+    assert summary["status"] == "failed" and "rank 1 fails on purpose" in summary["error"]
