@@ -157,3 +157,17 @@ def test_help_and_cfg_do_not_import_torch(tmp_path: Path, flag: str) -> None:
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "hydra" in imported and "torch" not in imported
     assert ("batch_size: 64" in proc.stdout) if flag == "--cfg=job" else ("== Config ==" in proc.stdout)
+
+
+def test_more_gpus_than_visible_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from ddpexp.run import resolve_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # this machine has no GPU to count
+    cfg = make_config("device=cuda", "gpus=4")
+    with pytest.raises(ConfigError, match=r"^gpus=4: only 2 CUDA GPU\(s\) visible here; use gpus<=2$"):
+        resolve_devices(cfg)
+    cfg = make_config("device=auto")
+    resolve_devices(cfg)
+    assert (cfg.device, cfg.gpus) == ("cuda", 2)  # default: every visible GPU
