@@ -34,6 +34,10 @@ def main() -> None:
     register_configs()
     install_error_reporting()
     hydra.main(config_path=os.path.normpath(CONF_DIR), config_name="config", version_base="1.3")(_task)()
+    if "ddpexp.run" in sys.modules:  # a multirun that submitted jobs to a scheduler: wait for them now
+        failed = sys.modules["ddpexp.run"].wait_deferred()
+        if failed:
+            sys.exit(f"ddpexp: {failed} job(s) failed")
 
 
 if __name__ == "__main__":

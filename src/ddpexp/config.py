@@ -104,6 +104,7 @@ class Config:
     num_workers: int = 0
     compile: bool = False
     channels_last: bool = False
+    plan: bool = False  # print what each rank would run (and the sbatch script), start nothing
     progress_bar: bool = True  # rank 0 only, and only when stderr is a terminal
 
     def __post_init__(self) -> None:

@@ -26,6 +26,8 @@ def one_line(error: BaseException) -> str:
                 listing = False
             elif line.startswith(_SKIP):
                 continue
+            elif listing and line.startswith("base_"):
+                continue  # the schemas behind each option (config.register_configs), not choices
             elif listing:
                 parts[-1] += (" " if parts[-1].endswith(":") else ", ") + line
             else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from ddpexp import data
 from ddpexp.config import Config, ConfigError
 from ddpexp.job import Job, read_json, write_json
 from ddpexp.launchers import RankFailure
+from ddpexp.plan import render as render_plan
 
 log = logging.getLogger("ddpexp")
 
@@ -33,15 +35,54 @@ def run(dcfg: DictConfig) -> float | None:
     if "root" in cfg.data:
         cfg.data["root"] = config["data"]["root"] = os.path.abspath(cfg.data["root"])  # type: ignore[index]
     job = make_job(yaml.safe_dump(config, sort_keys=False))
+    launch = get_method(cfg.launcher._target_)
+    if cfg.plan:
+        print(render_plan(cfg, job, sys.modules[launch.__module__]))
+        return None
     data.prepare(cfg.data)
 
     from ddpexp import worker  # torch and the training stack, only once the config is known to be good
 
     try:
-        get_method(cfg.launcher._target_)(worker.main, cfg, job)
+        waiter = launch(worker.main, cfg, job)
     except BaseException as e:
         record_failure(job, e, time.time() - start)
         raise
+    if waiter is None:
+        return finish(job, start)
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        DEFERRED.append((job, waiter, start))  # submit every job of the sweep before waiting for any
+        return None
+    return wait(job, waiter, start)
+
+
+# (job, waiter, start) of jobs submitted during a multirun, waited for once all are submitted
+DEFERRED: list[tuple[Job, Any, float]] = []
+
+
+def wait(job: Job, waiter: Any, start: float) -> Optional[float]:
+    try:
+        waiter.wait()
+    except BaseException as e:
+        record_failure(job, e, time.time() - start)
+        raise
+    return finish(job, start)
+
+
+def wait_deferred() -> int:
+    """After a multirun's submissions: wait for each job; returns how many failed."""
+    failed = 0
+    while DEFERRED:
+        job, waiter, start = DEFERRED.pop(0)
+        try:
+            wait(job, waiter, start)
+        except RankFailure as e:
+            failed += 1
+            print(f"ddpexp: error: job {job.dir}: {e}", file=sys.stderr)
+    return failed
+
+
+def finish(job: Job, start: float) -> Optional[float]:
     summary = read_json(job.summary_path)
     if summary is None:  # multi-node: global rank 0, and with it the run record, is on another node
         print(f"ddpexp: this node's ranks finished in {time.time() - start:.1f}s; rank 0 holds the run record")

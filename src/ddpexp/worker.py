@@ -56,6 +56,8 @@ def main(cfg: Config, job: Job) -> None:
         if rank == 0:
             tracker = Tracker(job, cfg.wandb, _config_dict(job), cfg.progress_bar)
         summary.update(device=str(device), hostnames=sorted(set(hosts)), **_environment())
+        if "SLURM_JOB_ID" in os.environ:
+            summary["slurm"] = {k: os.environ.get(f"SLURM_{k.upper()}") for k in ("job_id", "job_nodelist", "ntasks")}
         summary.update(train(cfg, job, device, tracker))
         summary["status"] = "completed"
     except BaseException as e:

@@ -59,3 +59,12 @@ def _run_inline(worker: Callable[..., None], cfg: Any, job: Any, env: dict[str, 
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def plan(cfg: Any, job: Any) -> dict[str, Any]:
+    from ddpexp.plan import local_ranks, this_command
+
+    port = str(cfg.launcher.master_port or "<free port bound at launch>")
+    how = "in this process" if cfg.gpus == 1 and cfg.launcher.inline_single else "torch.multiprocessing spawn"
+    ranks = local_ranks(cfg, 0, cfg.gpus, (cfg.launcher.master_addr, port))
+    return {"command": f"{this_command()}  -> {how} -> ddpexp.worker.main", "ranks": ranks}

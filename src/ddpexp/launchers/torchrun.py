@@ -79,3 +79,17 @@ def _run_rank(worker: Callable[..., None], cfg: Any, job: Any) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     record(worker)(cfg, job)
+
+
+def plan(cfg: Any, job: Any) -> dict[str, Any]:
+    from ddpexp.plan import local_ranks, this_command
+
+    lc = cfg.launcher
+    lo, hi = lc.node_range()
+    world = cfg.gpus if hi == 1 else f"{cfg.gpus}*nnodes({lc.nnodes})"
+    node_rank = 0 if hi == 1 else "NODE_RANK(at rendezvous)"
+    ranks = local_ranks(cfg, node_rank, world, ("<chosen at rendezvous>", "<chosen at rendezvous>"))
+    how = (
+        f"elastic agent (rdzv {lc.rdzv_backend} at {lc.rdzv_endpoint}, id {lc.rdzv_id}, max_restarts {lc.max_restarts})"
+    )
+    return {"command": f"{this_command()}  -> {how} -> ddpexp.worker.main", "ranks": ranks}
