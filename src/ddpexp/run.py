@@ -60,7 +60,7 @@ def run(dcfg: DictConfig) -> float | None:
 DEFERRED: list[tuple[Job, Any, float]] = []
 
 
-def wait(job: Job, waiter: Any, start: float) -> Optional[float]:
+def wait(job: Job, waiter: Any, start: float) -> float | None:
     try:
         waiter.wait()
     except BaseException as e:
@@ -82,7 +82,7 @@ def wait_deferred() -> int:
     return failed
 
 
-def finish(job: Job, start: float) -> Optional[float]:
+def finish(job: Job, start: float) -> float | None:
     summary = read_json(job.summary_path)
     if summary is None:  # multi-node: global rank 0, and with it the run record, is on another node
         print(f"ddpexp: this node's ranks finished in {time.time() - start:.1f}s; rank 0 holds the run record")

@@ -53,11 +53,11 @@ alive() { # <pidfile> <comm>
   [[ -n $pid && $(cat "/proc/$pid/comm" 2>/dev/null) == "$2" ]] && running "$pid" && echo "$pid"
 }
 
-# every daemon as "pidfile:comm"
+# every daemon as "pidfile:comm" (slurmds: the configured ones plus any pid file left by another NODES)
 daemons() {
   echo "$DIR/run/munged.pid:munged"
   echo "$DIR/run/slurmctld.pid:slurmctld"
-  for n in $(seq 1 "$NODES"); do echo "$DIR/run/slurmd-node$n.pid:slurmd"; done
+  { seq -f "$DIR/run/slurmd-node%g.pid" 1 "$NODES"; ls "$DIR"/run/slurmd-*.pid 2>/dev/null; } | sort -uV | sed 's/$/:slurmd/'
 }
 
 cmd_install() {
@@ -65,8 +65,10 @@ cmd_install() {
   for b in munged slurmctld slurmd sbatch srun scontrol sinfo; do command -v "$b" >/dev/null || missing=1; done
   ((missing)) || { log "slurm + munge already installed ($(slurmctld -V))"; return 0; }
   export DEBIAN_FRONTEND=noninteractive
-  [[ -n $(ls -A /var/lib/apt/lists 2>/dev/null | grep -v -e lock -e partial) ]] || apt-get update -qq
-  apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
+  local pkgs=(slurmctld slurmd slurm-client munge)
+  # try with the existing package lists first; refresh them if missing or stale
+  apt-get install -y -qq --no-install-recommends "${pkgs[@]}" >/dev/null 2>&1 ||
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends "${pkgs[@]}" >/dev/null; }
   log "installed $(slurmctld -V)"
 }
 
@@ -190,7 +192,7 @@ cmd_stop() {
   fi
   # stop slurmds, then the controller, then munged (reverse start order)
   while IFS=: read -r pf comm; do
-    pid=$(alive "$pf" "$comm") || continue
+    pid=$(alive "$pf" "$comm") || { rm -f "$pf"; continue; } # stale pid file
     any=1; kill -TERM "$pid" 2>/dev/null || true
     for _ in $(seq 40); do running "$pid" || break; sleep 0.25; done
     running "$pid" && { log "$comm ($pid) ignored SIGTERM, killing"; kill -KILL "$pid" 2>/dev/null || true; }
