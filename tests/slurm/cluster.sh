@@ -155,10 +155,13 @@ cmd_start() {
     alive "$DIR/run/slurmd-node$n.pid" slurmd >/dev/null || env "$TAG" slurmd -f "$CONF" -N "node$n"
   done
   # wait until every node is idle (or mixed/allocated if jobs survived a restart)
-  local deadline=$((SECONDS + ${DDPEXP_SLURM_START_TIMEOUT:-60})) states=""
+  local deadline=$((SECONDS + ${DDPEXP_SLURM_START_TIMEOUT:-60})) states="" resumed=""
   until states=$(sinfo -h -N -p debug -o '%t' 2>/dev/null | sort -u | tr '\n' ' ') &&
     [[ -n $states && -z $(tr ' ' '\n' <<<"$states" | grep -v -x -e idle -e mix -e alloc -e '') ]] &&
     [[ $(sinfo -h -N -p debug -o '%N' | wc -l) -eq $NODES ]]; do
+    # a node left down/drained by an unclean shutdown: put it back into service once
+    [[ $states == *down* || $states == *drain* ]] && ((SECONDS - t0 > 3)) && [[ -z ${resumed:-} ]] &&
+      { resumed=1; scontrol update NodeName="$NODELIST" State=RESUME 2>/dev/null || true; }
     ((SECONDS < deadline)) || { log "timeout: node states '$states'; see $DIR/log/"; tail -n 5 "$DIR"/log/*.log >&2; exit 1; }
     sleep 0.5
   done
