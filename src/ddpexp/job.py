@@ -32,6 +32,10 @@ class Job:
     def log_path(self, rank: int) -> str:
         return os.path.join(self.dir, "logs", f"rank{rank}.log")
 
+    def error_path(self, rank: int) -> str:
+        """A failing rank's traceback and time: the earliest one is the root cause, the rest its echoes."""
+        return os.path.join(self.dir, "logs", f"rank{rank}.error.json")
+
 
 def write_json(path: str, obj: Any) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import sys
@@ -18,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ddpexp import data
 from ddpexp.config import Config, ConfigError
 from ddpexp.job import Job, read_json, write_json
-from ddpexp.launchers import RankFailure
+from ddpexp.launchers import RankFailure, tail
 from ddpexp.plan import render as render_plan
 
 log = logging.getLogger("ddpexp")
@@ -45,6 +46,8 @@ def run(dcfg: DictConfig) -> float | None:
 
     try:
         waiter = launch(worker.main, cfg, job)
+    except RankFailure as e:
+        raise record_failure(job, first_failure(job) or e, time.time() - start) from None
     except BaseException as e:
         record_failure(job, e, time.time() - start)
         raise
@@ -63,9 +66,8 @@ DEFERRED: list[tuple[Job, Any, float]] = []
 def wait(job: Job, waiter: Any, start: float) -> float | None:
     try:
         waiter.wait()
-    except BaseException as e:
-        record_failure(job, e, time.time() - start)
-        raise
+    except RankFailure as e:
+        raise record_failure(job, first_failure(job) or e, time.time() - start) from None
     return finish(job, start)
 
 
@@ -153,7 +155,17 @@ def swept_keys(sweep_dir: str) -> set[str]:
     return {o.get_key_element() for o in OverridesParser.create().parse_overrides(list(task)) if o.is_sweep_override()}
 
 
-def record_failure(job: Job, error: BaseException, wall_time_s: float) -> None:
+def first_failure(job: Job) -> RankFailure | None:
+    """The rank that failed first, from the error files ranks write (a launcher sees whichever it polls first)."""
+    records = [read_json(p) for p in glob.glob(os.path.join(job.dir, "logs", "rank*.error.json"))]
+    records = [r for r in records if r]
+    if not records:
+        return None
+    first = min(records, key=lambda r: r["time"])
+    return RankFailure(first["rank"], tail(first["traceback"]))
+
+
+def record_failure(job: Job, error: BaseException, wall_time_s: float) -> BaseException:
     """The parent has the last word on a failed job: a rank killed before writing its summary leaves none."""
     summary: dict[str, Any] = read_json(job.summary_path) or {"launcher": job.launcher}
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -161,3 +173,4 @@ def record_failure(job: Job, error: BaseException, wall_time_s: float) -> None:
     if isinstance(error, RankFailure):
         summary["error_detail"] = error.detail
     write_json(job.summary_path, summary)
+    return error

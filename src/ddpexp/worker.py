@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any
@@ -28,7 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from ddpexp import checkpoint
 from ddpexp.config import Config
-from ddpexp.job import Job
+from ddpexp.job import Job, write_json
 from ddpexp.optim import call_accepting
 from ddpexp.tracking import NullTracker, Tracker
 
@@ -63,6 +64,7 @@ def main(cfg: Config, job: Job) -> None:
     except BaseException as e:
         log.exception("rank %d failed", rank)
         summary["error"] = f"{type(e).__name__}: {e} (rank {rank})"
+        write_json(job.error_path(rank), {"rank": rank, "time": time.time(), "traceback": traceback.format_exc()})
         raise
     finally:
         summary["wall_time_s"] = round(time.time() - start, 3)

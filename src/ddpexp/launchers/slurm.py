@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -85,12 +84,14 @@ def executor(cfg: Any, job: Any) -> Any:
 def launch(worker: Callable[..., None], cfg: Any, job: Any) -> Waiter | None:
     if shutil.which("sbatch") is None:
         raise ConfigError("launcher=slurm: sbatch not found on PATH; run this on a Slurm login node")
+    from submitit.core.utils import FailedJobError
+
     ex = executor(cfg, job)
     try:
         sjob = ex.submit(SlurmTask(worker, cfg, job))
-    except subprocess.CalledProcessError as e:  # sbatch refused: show Slurm's own words
-        out = (e.output or b"").decode(errors="replace").strip().splitlines()
-        raise ConfigError(f"sbatch refused the job: {out[-1] if out else e}") from None
+    except FailedJobError as e:  # sbatch refused the job: show Slurm's own words
+        words = [line for line in str(e).splitlines() if line.strip()]
+        raise ConfigError(f"sbatch refused the job: {words[0] if words else e}") from None
     print(f"ddpexp: submitted Slurm job {sjob.job_id} ({cfg.launcher.nodes} node(s) x {cfg.gpus} tasks); "
           f"logs in {sjob.paths.folder}", flush=True)  # fmt: skip
     return Waiter(sjob, cfg.launcher.poll_interval_s) if cfg.launcher.wait else None
@@ -114,6 +115,7 @@ class Waiter:
             self.sjob.results()
         except Exception as e:  # submitit: FailedJobError / UncompletedJobError with the task's trace
             state = self.sjob.get_info().get("State", self.sjob.state)
+            print(f"ddpexp: Slurm job {self.sjob.job_id} ended {state}; logs in {self.sjob.paths.folder}", flush=True)
             raise RankFailure(f"task of Slurm job {self.sjob.job_id} ({state})", tail(str(e), 30)) from None
 
     def _echo(self, offset: int) -> int:
