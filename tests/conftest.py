@@ -6,10 +6,15 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+
+from wandb_offline import find_offline_runs, read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,11 +26,13 @@ def ddpexp_env() -> dict[str, str]:
     return env
 
 
-def run_ddpexp(*args: str, cwd: Path, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
+def run_ddpexp(
+    *args: str, cwd: Path, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """The command line, in a fresh process: a multi-process test must never hang the suite."""
     proc = subprocess.run(
         [sys.executable, "-m", "ddpexp", *args],
-        cwd=cwd, env=ddpexp_env(), capture_output=True, text=True, timeout=timeout,
+        cwd=cwd, env={**ddpexp_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     if check and proc.returncode != 0:
         raise AssertionError(f"ddpexp {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
@@ -46,6 +53,49 @@ def load_weights(job_dir: Path) -> dict[str, Any]:
     return torch.load(job_dir / "checkpoints" / "last.pt", weights_only=True)["model"]
 
 
+def check_run_record(job: Path, launcher: str, world_size: int) -> dict:
+    summary = read_summary(job)
+    assert summary["status"] == "completed", summary
+    assert (summary["launcher"], summary["world_size"], summary["device"]) == (launcher, world_size, "cpu")
+    assert summary["replicas"]["identical"] and summary["replicas"]["max_abs_diff"] == 0.0
+    assert set(summary["final"]) == {"train/loss", "val/loss", "val/acc"}
+    assert summary["versions"]["torch"] and summary["hostnames"] and summary["wall_time_s"] > 0
+    assert sorted(p.name for p in (job / "logs").iterdir()) == [f"rank{r}.log" for r in range(world_size)]
+    assert (job / ".hydra" / "config.yaml").exists() and len(list(job.rglob(".hydra"))) == 1
+    ckpt = __import__("torch").load(job / "checkpoints" / "last.pt", weights_only=True)
+    assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "rng", "config"} <= set(ckpt)
+    assert ckpt["step"] == summary["steps"] and yaml.safe_load(ckpt["config"])["launcher"]["_target_"]
+    return summary
+
+
+def check_wandb_matches_record(job: Path) -> dict:
+    """The W&B offline run, read back with wandb's own reader, holds the resolved config and metrics.jsonl."""
+    runs = find_offline_runs(job / "wandb")
+    assert len(runs) == 1
+    run = read_offline_run(runs[0])
+    summary, metrics = read_summary(job), read_metrics(job)
+    assert run["id"] == summary["wandb"]["id"] and summary["wandb"]["mode"] == "offline"
+    assert run["config"] == yaml.safe_load(ckpt_config(job))
+    by_step: dict[int, dict] = {}
+    for row in metrics:
+        by_step.setdefault(row["step"], {}).update(row)
+    history = {row["_step"]: row for row in run["history"]}
+    assert sorted(history) == sorted(by_step)
+    for step, row in by_step.items():
+        for key in ("train/loss", "val/acc", "val/loss", "lr"):
+            if key in row:
+                assert history[step][key] == pytest.approx(row[key], rel=1e-12), (step, key)
+        assert history[step]["epoch"] == row["epoch"]
+    assert run["summary"]["val/acc"] == pytest.approx(summary["final"]["val/acc"])
+    return run
+
+
+def ckpt_config(job: Path) -> str:
+    import torch
+
+    return torch.load(job / "checkpoints" / "last.pt", weights_only=True)["config"]
+
+
 # Small, quick runs on the real digits: 2 epochs of 12 steps at batch 64 per rank.
 QUICK = ["epochs=2", "log_every_n_steps=5"]
 
@@ -53,3 +103,55 @@ QUICK = ["epochs=2", "log_every_n_steps=5"]
 @pytest.fixture
 def quick() -> list[str]:
     return list(QUICK)
+
+
+def free_port_block(n: int) -> int:
+    """A base port with `n` consecutive free ports (the test cluster's slurmctld + one slurmd per node)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no block of free ports")
+
+
+CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
+
+
+@pytest.fixture(scope="session")
+def slurm() -> Iterator[dict[str, str]]:
+    """A real Slurm cluster (slurmctld + 2 slurmd on 127.0.0.x) for this session; the env to reach it.
+
+    Started and stopped by tests/slurm/cluster.sh, which stops only the daemons it started (pid files)."""
+    import shutil
+
+    if not all(shutil.which(b) for b in ("slurmctld", "slurmd", "munged", "sbatch")):
+        pytest.skip("Slurm is not installed here: `bash tests/slurm/cluster.sh install` (CI does)")
+    # Fresh state (job ids start at 1, so each test's submitit folder is its own). Not under pytest's 0700 tmp:
+    # munged wants every directory above its socket searchable by all.
+    state = tempfile.mkdtemp(prefix="ddpexp-slurm-")
+    os.chmod(state, 0o755)
+    env = {**os.environ, "DDPEXP_SLURM_DIR": str(state), "DDPEXP_SLURM_PORT": str(free_port_block(3))}
+    started = subprocess.run(["bash", str(CLUSTER), "start"], env=env, timeout=120, capture_output=True, text=True)
+    if started.returncode != 0:
+        raise RuntimeError(f"tests/slurm/cluster.sh start failed:\n{started.stdout}\n{started.stderr}")
+    exports = subprocess.run(["bash", str(CLUSTER), "env"], env=env, check=True, capture_output=True, text=True)
+    cluster_env = {"DDPEXP_SLURM_DIR": str(state), "DDPEXP_SLURM_PORT": env["DDPEXP_SLURM_PORT"]}
+    for line in exports.stdout.splitlines():
+        key, _, value = line.removeprefix("export ").partition("=")
+        cluster_env[key] = value.replace("$PATH", os.environ["PATH"])
+    try:
+        yield cluster_env
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "stop"], env=env, timeout=120, capture_output=True)
+        shutil.rmtree(state, ignore_errors=True)

@@ -171,3 +171,31 @@ def test_more_gpus_than_visible_is_refused(monkeypatch: pytest.MonkeyPatch) -> N
     cfg = make_config("device=auto")
     resolve_devices(cfg)
     assert (cfg.device, cfg.gpus) == ("cuda", 2)  # default: every visible GPU
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_plan_shows_every_rank_and_starts_nothing(tmp_path: Path, launcher: str) -> None:
+    proc = run_ddpexp(f"launcher={launcher}", "gpus=3", "plan=true", "hydra.run.dir=job", cwd=tmp_path)
+    assert f"ddpexp plan: launcher={launcher}, 3 rank(s); nothing was started" in proc.stdout
+    for rank in range(3):
+        assert f"rank {rank}: device=cpu RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=3" in proc.stdout
+    assert f"job dir:   {tmp_path / 'job'}" in proc.stdout
+    assert not (tmp_path / "job" / "logs").exists() and not (tmp_path / "job" / "summary.json").exists()
+
+
+def test_slurm_without_sbatch_or_submitit_is_refused(tmp_path: Path) -> None:
+    no_slurm = {"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
+    if subprocess.run(["which", "sbatch"], env=no_slurm, capture_output=True).returncode == 0:
+        no_slurm["PATH"] = str(Path(sys.executable).parent)
+    proc = run_ddpexp("launcher=slurm", "gpus=2", "hydra.run.dir=job", cwd=tmp_path, check=False, env=no_slurm)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "ddpexp: error: launcher=slurm: sbatch not found on PATH; run this on a Slurm login node"
+    )
+    shadow = tmp_path / "shadow" / "submitit"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('submitit is not installed')\n")
+    proc = run_ddpexp("launcher=slurm", "gpus=2", "plan=true", "hydra.run.dir=job", cwd=tmp_path, check=False,
+                      env={"PYTHONPATH": str(tmp_path / "shadow")})  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        "ddpexp: error: launcher=slurm needs submitit: pip install submitit"
+    )

@@ -14,7 +14,17 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import QUICK, ddpexp_env, load_weights, read_metrics, read_summary, run_ddpexp
+from conftest import (
+    QUICK,
+    check_run_record,
+    check_wandb_matches_record,
+    ckpt_config,
+    ddpexp_env,
+    load_weights,
+    read_metrics,
+    read_summary,
+    run_ddpexp,
+)
 from wandb_offline import find_offline_runs, read_offline_run
 
 pytestmark = pytest.mark.slow
@@ -33,49 +43,6 @@ def write_mnist_idx(root: Path, n_train: int = 300, n_test: int = 101) -> None:
         images = np.clip(images + rng.integers(0, 40, images.shape), 0, 255).astype(np.uint8)
         (raw / f"{split}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 0x803, n, 28, 28) + images.tobytes())
         (raw / f"{split}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 0x801, n) + labels.tobytes())
-
-
-def check_run_record(job: Path, launcher: str, world_size: int) -> dict:
-    summary = read_summary(job)
-    assert summary["status"] == "completed", summary
-    assert (summary["launcher"], summary["world_size"], summary["device"]) == (launcher, world_size, "cpu")
-    assert summary["replicas"]["identical"] and summary["replicas"]["max_abs_diff"] == 0.0
-    assert set(summary["final"]) == {"train/loss", "val/loss", "val/acc"}
-    assert summary["versions"]["torch"] and summary["hostnames"] and summary["wall_time_s"] > 0
-    assert sorted(p.name for p in (job / "logs").iterdir()) == [f"rank{r}.log" for r in range(world_size)]
-    assert (job / ".hydra" / "config.yaml").exists() and len(list(job.rglob(".hydra"))) == 1
-    ckpt = __import__("torch").load(job / "checkpoints" / "last.pt", weights_only=True)
-    assert {"model", "optimizer", "scheduler", "scaler", "epoch", "step", "rng", "config"} <= set(ckpt)
-    assert ckpt["step"] == summary["steps"] and yaml.safe_load(ckpt["config"])["launcher"]["_target_"]
-    return summary
-
-
-def check_wandb_matches_record(job: Path) -> dict:
-    """The W&B offline run, read back with wandb's own reader, holds the resolved config and metrics.jsonl."""
-    runs = find_offline_runs(job / "wandb")
-    assert len(runs) == 1
-    run = read_offline_run(runs[0])
-    summary, metrics = read_summary(job), read_metrics(job)
-    assert run["id"] == summary["wandb"]["id"] and summary["wandb"]["mode"] == "offline"
-    assert run["config"] == yaml.safe_load(ckpt_config(job))
-    by_step: dict[int, dict] = {}
-    for row in metrics:
-        by_step.setdefault(row["step"], {}).update(row)
-    history = {row["_step"]: row for row in run["history"]}
-    assert sorted(history) == sorted(by_step)
-    for step, row in by_step.items():
-        for key in ("train/loss", "val/acc", "val/loss", "lr"):
-            if key in row:
-                assert history[step][key] == pytest.approx(row[key], rel=1e-12), (step, key)
-        assert history[step]["epoch"] == row["epoch"]
-    assert run["summary"]["val/acc"] == pytest.approx(summary["final"]["val/acc"])
-    return run
-
-
-def ckpt_config(job: Path) -> str:
-    import torch
-
-    return torch.load(job / "checkpoints" / "last.pt", weights_only=True)["config"]
 
 
 def test_spawn_two_ranks_and_equal_to_one_rank_double_batch(tmp_path: Path) -> None:

@@ -104,13 +104,13 @@ class Waiter:
         self.sjob, self.poll_interval_s = sjob, poll_interval_s
 
     def wait(self) -> None:
-        offset = 0
-        while True:
-            finished = self.sjob.done(force_check=True)
+        offset, slurm_done = 0, False
+        while not slurm_done:
+            # submitit calls a job done once its result file exists; Slurm may still be ending its steps.
+            slurm_done = self.sjob.done(force_check=True) and self.sjob.watcher.is_done(self.sjob.job_id, mode="force")
             offset = self._echo(offset)
-            if finished:
-                break
-            time.sleep(self.poll_interval_s)
+            if not slurm_done:
+                time.sleep(self.poll_interval_s)
         try:
             self.sjob.results()
         except Exception as e:  # submitit: FailedJobError / UncompletedJobError with the task's trace

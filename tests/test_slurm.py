@@ -1,0 +1,118 @@
+"""launcher=slurm against a real Slurm cluster (slurmctld + two slurmd on loopback), through submitit."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import check_run_record, load_weights, read_summary, run_ddpexp
+from wandb_offline import find_offline_runs, read_offline_run
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+SLURM = ["launcher=slurm", "device=cpu", "gpus=2", "launcher.poll_interval_s=0.5"]
+TRAIN = ["max_steps=8", "log_every_n_steps=4", "seed=5", "debug.check_replicas=true"]
+
+
+def scontrol_job(job_id: str, env: dict[str, str]) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
+
+
+def test_slurm_job_completes_and_matches_spawn_bit_for_bit(tmp_path: Path, slurm: dict[str, str]) -> None:
+    proc = run_ddpexp(*SLURM, *TRAIN, "hydra.run.dir=slurm_job", cwd=tmp_path, env=slurm, timeout=180)
+    job = tmp_path / "slurm_job"
+    summary = check_run_record(job, "slurm", 2)
+    job_id = summary["slurm"]["job_id"]
+    assert (
+        f"submitted Slurm job {job_id}" in proc.stdout and "step 8: val/loss" in proc.stdout
+    )  # rank 0's log, followed
+    assert summary["slurm"]["ntasks"] == "2" and scontrol_job(job_id, slurm)["JobState"] == "COMPLETED"
+    assert (job / "submitit" / f"{job_id}_submitted.pkl").exists()  # submitit's files in a subfolder of the job dir
+    assert read_offline_run(find_offline_runs(job)[0])["summary"]["val/acc"] == summary["final"]["val/acc"]
+
+    run_ddpexp("launcher=spawn", "gpus=2", *TRAIN, "wandb.mode=disabled", "hydra.run.dir=spawn_job", cwd=tmp_path)
+    slurm_w, spawn_w = load_weights(job), load_weights(tmp_path / "spawn_job")
+    assert all(torch.equal(slurm_w[k], spawn_w[k]) for k in spawn_w)  # same seed, same data order: same bits
+
+
+def test_two_nodes_make_world_size_four(tmp_path: Path, slurm: dict[str, str]) -> None:
+    run_ddpexp(*SLURM, "launcher.nodes=2", *TRAIN, "wandb.mode=disabled", "hydra.run.dir=job", cwd=tmp_path, env=slurm)
+    summary = check_run_record(tmp_path / "job", "slurm", 4)
+    assert summary["slurm"]["job_nodelist"] == "node[1-2]" and summary["slurm"]["ntasks"] == "4"
+
+
+def test_sweep_without_waiting_runs_jobs_concurrently(tmp_path: Path, slurm: dict[str, str]) -> None:
+    sweep = tmp_path / "sweep"
+    began = time.time()
+    proc = run_ddpexp(
+        "-m", *SLURM, "launcher.wait=false", "optimizer.lr=1e-3,2e-3,3e-3", "max_steps=30", f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path, env=slurm, timeout=120,
+    )  # fmt: skip
+    ids = re.findall(r"submitted Slurm job (\d+)", proc.stdout)
+    assert len(ids) == 3 and time.time() - began < 60  # returned without waiting for the jobs
+    deadline = time.time() + 240
+    while time.time() < deadline and any(scontrol_job(i, slurm)["JobState"] in ("PENDING", "RUNNING") for i in ids):
+        time.sleep(1)
+    jobs = [scontrol_job(i, slurm) for i in ids]
+    assert [j["JobState"] for j in jobs] == ["COMPLETED"] * 3
+    starts = [datetime.fromisoformat(j["StartTime"]) for j in jobs]
+    ends = [datetime.fromisoformat(j["EndTime"]) for j in jobs]
+    assert max(starts) < min(ends), (starts, ends)  # all three ran at the same time
+    summaries = [read_summary(sweep / str(n)) for n in range(3)]
+    assert [s["status"] for s in summaries] == ["completed"] * 3
+    assert sorted(s["slurm"]["job_id"] for s in summaries) == sorted(ids)
+    runs = [read_offline_run(r) for r in find_offline_runs(sweep)]
+    assert len(runs) == 3 and {r["group"] for r in runs} == {str(sweep)}
+
+
+def test_a_failing_rank_fails_the_job_and_the_command(tmp_path: Path, slurm: dict[str, str]) -> None:
+    proc = run_ddpexp(
+        *SLURM, "debug.fail_at_step=2", "debug.fail_rank=1", "wandb.mode=disabled", "hydra.run.dir=job",
+        cwd=tmp_path, env=slurm, check=False, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "ddpexp: error: rank 1 failed: RuntimeError: debug.fail_at_step=2: rank 1 fails on purpose" in proc.stderr
+    assert "line" in proc.stderr and "Traceback (most recent call last)" in proc.stderr  # the traceback's tail
+    job_id = re.search(r"submitted Slurm job (\d+)", proc.stdout).group(1)  # type: ignore[union-attr]
+    assert f"Slurm job {job_id} ended FAILED" in proc.stdout
+    assert scontrol_job(job_id, slurm)["JobState"] == "FAILED"
+    summary = read_summary(tmp_path / "job")
+    assert summary["status"] == "failed" and "rank 1 fails on purpose" in summary["error"]
+
+
+def squeue_ids(env: dict[str, str]) -> list[str]:
+    return subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True).stdout.split()
+
+
+def test_plan_prints_the_sbatch_script_and_submits_nothing(tmp_path: Path, slurm: dict[str, str]) -> None:
+    before = squeue_ids(slurm)
+    proc = run_ddpexp(*SLURM, "launcher.nodes=2", "launcher.partition=debug", "plan=true", "hydra.run.dir=job",
+                      cwd=tmp_path, env=slurm)  # fmt: skip
+    assert "#SBATCH --nodes=2" in proc.stdout and "#SBATCH --ntasks-per-node=2" in proc.stdout
+    assert "#SBATCH --partition=debug" in proc.stdout and "srun --unbuffered" in proc.stdout
+    assert "rank 3: device=cpu RANK=3 LOCAL_RANK=1 WORLD_SIZE=4" in proc.stdout
+    assert squeue_ids(slurm) == before and not (tmp_path / "job" / "submitit").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["launcher.partition=nope"], "sbatch refused the job: sbatch: error: invalid partition specified: nope"),
+        (["device=auto", "launcher.gpus_per_node=4"], "launcher.gpus_per_node=4 but gpus=2 ranks per node"),
+    ],
+)
+def test_slurm_refusals_are_one_clear_line(
+    tmp_path: Path, slurm: dict[str, str], args: list[str], message: str
+) -> None:
+    proc = run_ddpexp(*SLURM, *args, "hydra.run.dir=job", cwd=tmp_path, env=slurm, check=False)
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip().splitlines()[-1] == f"ddpexp: error: {message}" or message in proc.stderr.splitlines()[-1]
+    )
