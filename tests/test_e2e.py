@@ -176,3 +176,51 @@ def test_wandb_online_without_network_falls_back_to_offline(tmp_path: Path) -> N
     summary = read_summary(tmp_path / "job")
     assert summary["status"] == "completed" and summary["wandb"]["mode"] == "offline"
     assert read_offline_run(Path(summary["wandb"]["dir"]))["summary"]["val/acc"] == summary["final"]["val/acc"]
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_no_rank_outlives_a_sigkilled_command(tmp_path: Path, launcher: str) -> None:
+    """SIGKILL of `python -m ddpexp`, started with SIGINT ignored (as `cmd &` in a script): ranks die too."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpexp", f"launcher={launcher}", "gpus=2", "epochs=1000", "wandb.mode=disabled",
+         "hydra.run.dir=job"],
+        cwd=tmp_path, env=ddpexp_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 90
+        log = tmp_path / "job" / "logs" / "rank1.log"
+        while time.time() < deadline and not (log.exists() and "train/loss" in log.read_text()):
+            time.sleep(0.5)
+        assert log.exists() and "train/loss" in log.read_text(), "ranks never started training"
+        ranks = [pid for kid in children_of(proc.pid) for pid in [kid, *children_of(kid)]]
+        assert len([p for p in ranks if alive(p)]) >= 2
+        proc.kill()
+        proc.wait()
+        time.sleep(5)
+        assert [p for p in ranks if alive(p)] == []
+    finally:
+        proc.kill()

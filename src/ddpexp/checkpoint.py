@@ -1,10 +1,24 @@
-"""Checkpoint files: atomic writes, tensors and plain types only, loaded with weights_only=True."""
+"""Checkpoint files: atomic writes, a `latest` marker written last, keep-last-k, and loading that refuses
+anything but tensors and plain types (torch.load(weights_only=True)).
+
+Layout of a job's checkpoints/: step-00000120.pt ... (the last k), last.pt (a hard link to the newest) and
+`latest` (the newest file's name). A kill at any moment leaves the previous checkpoint loadable.
+"""
 
 from __future__ import annotations
 
+import glob
 import os
 import random
 from typing import Any
+
+from ddpexp.config import ConfigError
+
+MARKER = "latest"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be trusted: unreadable, truncated, or holding pickled code."""
 
 
 def rng_state() -> dict[str, Any]:
@@ -24,20 +38,86 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def save(state: dict[str, Any], path: str) -> None:
-    """Write to a temp file beside `path`, fsync, then rename: a crash leaves the old file intact."""
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
     import torch
 
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    version, mt, gauss = state["python"]
+    random.setstate((version, tuple(mt), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_atomic(path: str, write: Any) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "wb") as f:
-        torch.save(state, f)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
-def load(path: str) -> dict[str, Any]:
+def save(state: dict[str, Any], ckpt_dir: str, step: int, keep_last: int) -> str:
+    """Write step-N.pt (temp file, fsync, rename), point last.pt and the marker at it, drop the oldest."""
     import torch
 
-    return torch.load(path, map_location="cpu", weights_only=True)
+    os.makedirs(ckpt_dir, exist_ok=True)
+    name = f"step-{step:08d}.pt"
+    path = os.path.join(ckpt_dir, name)
+    _write_atomic(path, lambda f: torch.save(state, f))
+    tmp_link = os.path.join(ckpt_dir, f"last.pt.tmp.{os.getpid()}")
+    if os.path.lexists(tmp_link):
+        os.remove(tmp_link)
+    os.link(path, tmp_link)  # last.pt: the same bytes under a fixed name, no copy
+    os.replace(tmp_link, os.path.join(ckpt_dir, "last.pt"))
+    _write_atomic(os.path.join(ckpt_dir, MARKER), lambda f: f.write(name.encode()))
+    dir_fd = os.open(ckpt_dir, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the renames themselves survive a power cut
+    finally:
+        os.close(dir_fd)
+    for old in step_files(ckpt_dir)[:-keep_last]:
+        os.remove(old)
+    return path
+
+
+def step_files(ckpt_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(ckpt_dir, "step-*.pt")))
+
+
+def load(path: str) -> dict[str, Any]:
+    """Load with weights_only=True: a file holding pickled code is refused before anything runs."""
+    import pickle
+
+    import torch
+
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path}: no such file")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, AttributeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {path}: refused, not a plain tensor checkpoint ({first})") from None
+    if not isinstance(state, dict) or not {"model", "step", "config"} <= set(state):
+        raise CheckpointError(f"checkpoint {path}: refused, not a ddpexp checkpoint (no model/step/config)")
+    return state
+
+
+def find_latest(ckpt_dir: str) -> str | None:
+    """The newest checkpoint that loads: the marker's file, else older step files (a kill mid-save)."""
+    candidates = list(reversed(step_files(ckpt_dir)))
+    try:
+        with open(os.path.join(ckpt_dir, MARKER)) as f:
+            candidates.insert(0, os.path.join(ckpt_dir, f.read().strip()))
+    except FileNotFoundError:
+        pass
+    for path in candidates:
+        try:
+            load(path)
+            return path
+        except CheckpointError:
+            continue
+    return None

@@ -101,6 +101,7 @@ class Config:
     log_every_n_steps: int = 10
     eval_every_n_epochs: int = 1
     checkpoint_every_n_epochs: int | None = None  # last.pt is always written at the end
+    keep_last_checkpoints: int = 2  # step-N.pt files kept beside last.pt
     num_workers: int = 0
     compile: bool = False
     channels_last: bool = False
@@ -122,6 +123,7 @@ class Config:
         check(self.log_every_n_steps >= 1, f"log_every_n_steps={self.log_every_n_steps}: must be >= 1")
         check(self.eval_every_n_epochs >= 1, f"eval_every_n_epochs={self.eval_every_n_epochs}: must be >= 1")
         check(self.dist_timeout_s > 0, f"dist_timeout_s={self.dist_timeout_s}: must be > 0")
+        check(self.keep_last_checkpoints >= 1, f"keep_last_checkpoints={self.keep_last_checkpoints}: must be >= 1")
         check(self.num_workers >= 0, f"num_workers={self.num_workers}: must be >= 0")
         for group in ("model", "data", "optimizer"):
             node = getattr(self, group)

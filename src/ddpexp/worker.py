@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from ddpexp import checkpoint
 from ddpexp.config import Config
+from ddpexp.faults import die_with_parent
 from ddpexp.job import Job, write_json
 from ddpexp.optim import call_accepting
 from ddpexp.tracking import NullTracker, Tracker
@@ -37,6 +38,7 @@ log = logging.getLogger("ddpexp")
 
 
 def main(cfg: Config, job: Job) -> None:
+    die_with_parent()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     handlers = _setup_logging(job, rank)
@@ -239,7 +241,7 @@ def _save_checkpoint(cfg, job, model, optimizer, scheduler, scaler, epoch, step)
         "rng": checkpoint.rng_state(),
         "config": job.config_yaml,
     }
-    checkpoint.save(state, os.path.join(job.checkpoint_dir, "last.pt"))
+    checkpoint.save(state, job.checkpoint_dir, step, cfg.keep_last_checkpoints)
 
 
 def _compare_replicas(model: torch.nn.Module) -> dict[str, Any]:

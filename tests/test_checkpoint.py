@@ -1,0 +1,93 @@
+"""Checkpoint files: a kill at any moment of a save leaves a loadable checkpoint; code or truncation is refused."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddpexp import checkpoint
+from ddpexp.checkpoint import CheckpointError
+
+SAVER = """
+import sys, torch
+from ddpexp import checkpoint
+ckpt_dir = sys.argv[1]
+step = 0
+while True:
+    step += 1
+    state = {"model": {"w": torch.full((1_000_000,), float(step))}, "step": step, "config": "x: 1"}
+    checkpoint.save(state, ckpt_dir, step, keep_last=2)
+    print(step, flush=True)
+"""
+
+
+def state(step: int) -> dict:
+    return {"model": {"w": torch.full((10,), float(step))}, "step": step, "config": "seed: 0\n"}
+
+
+def test_save_keeps_last_k_and_points_the_marker_at_the_newest(tmp_path: Path) -> None:
+    for step in (5, 10, 15):
+        checkpoint.save(state(step), str(tmp_path), step, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "latest", "step-00000010.pt", "step-00000015.pt"]
+    assert (tmp_path / "latest").read_text() == "step-00000015.pt"
+    assert checkpoint.load(str(tmp_path / "last.pt"))["step"] == 15
+    assert checkpoint.find_latest(str(tmp_path)) == str(tmp_path / "step-00000015.pt")
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_during_saves_always_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
+    rng = random.Random(0)
+    newest_seen = 0
+    for attempt in range(5):
+        proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        proc.stdout.readline()  # at least one save of this process finished
+        time.sleep(rng.uniform(0.0, 0.3))  # then kill it somewhere inside a later save
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        path = checkpoint.find_latest(str(tmp_path))
+        assert path is not None, f"attempt {attempt}: nothing loadable"
+        loaded = checkpoint.load(path)
+        assert torch.equal(loaded["model"]["w"], torch.full((1_000_000,), float(loaded["step"])))
+        newest_seen = max(newest_seen, loaded["step"])
+    assert newest_seen >= 1
+
+
+class Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_holding_code_is_refused_and_nothing_runs(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    bad = tmp_path / "evil.pt"
+    torch.save({"model": {}, "step": 1, "config": "", "x": Payload(marker)}, bad)
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {bad}: refused, not a plain tensor checkpoint"):
+        checkpoint.load(str(bad))
+    assert not marker.exists()
+
+
+def test_truncated_or_foreign_files_are_refused_with_their_name(tmp_path: Path) -> None:
+    good = tmp_path / "good.pt"
+    torch.save(state(3), good)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {cut}: refused"):
+        checkpoint.load(str(cut))
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.zeros(2)}, foreign)
+    with pytest.raises(CheckpointError, match=r"not a ddpexp checkpoint"):
+        checkpoint.load(str(foreign))
+    with pytest.raises(CheckpointError, match=r"no such file"):
+        checkpoint.load(str(tmp_path / "missing.pt"))
