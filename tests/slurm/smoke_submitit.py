@@ -1,7 +1,7 @@
 """End-to-end smoke check of submitit against the local test cluster (not collected by pytest).
 
     tests/slurm/cluster.sh start && eval "$(tests/slurm/cluster.sh env)"
-    /work/venv-probe/bin/python tests/slurm/smoke_submitit.py [--nodes 2]
+    python tests/slurm/smoke_submitit.py [--nodes 2]
 
 Checks: a tasks_per_node=2 job returns its result and its state goes to COMPLETED; a cancelled
 job, a job whose task raises and a job whose process dies without a result are all seen as
