@@ -96,6 +96,26 @@ def ckpt_config(job: Path) -> str:
     return torch.load(job / "checkpoints" / "last.pt", weights_only=True)["config"]
 
 
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 # Small, quick runs on the real digits: 2 epochs of 12 steps at batch 64 per rank.
 QUICK = ["epochs=2", "log_every_n_steps=5"]
 

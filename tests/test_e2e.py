@@ -16,8 +16,10 @@ import yaml
 
 from conftest import (
     QUICK,
+    alive,
     check_run_record,
     check_wandb_matches_record,
+    children_of,
     ckpt_config,
     ddpexp_env,
     load_weights,
@@ -176,26 +178,6 @@ def test_wandb_online_without_network_falls_back_to_offline(tmp_path: Path) -> N
     summary = read_summary(tmp_path / "job")
     assert summary["status"] == "completed" and summary["wandb"]["mode"] == "offline"
     assert read_offline_run(Path(summary["wandb"]["dir"]))["summary"]["val/acc"] == summary["final"]["val/acc"]
-
-
-def children_of(pid: int) -> list[int]:
-    kids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            kids.append(int(stat.parent.name))
-    return kids
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun"])

@@ -19,8 +19,33 @@ def _task(dcfg: Any) -> Any:
     from ddpexp.run import run
 
     if HydraConfig.get().mode == RunMode.MULTIRUN:
-        return run(dcfg)  # a failed job is recorded by Hydra and the sweep goes on
+        return run_in_sweep(dcfg)
     return report(lambda: run(dcfg))
+
+
+FAILED: list[str] = []  # jobs of this multirun that failed, as "job_dir: error"
+
+
+def run_in_sweep(dcfg: Any) -> Any:
+    """One job of a multirun: a failure is recorded and counted, and the sweep goes on (Hydra's basic sweeper
+    would stop it); NaN tells an Optuna sweeper the trial failed. A signal stops the whole sweep."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from ddpexp.errors import is_config_error, one_line
+    from ddpexp.launchers import Interrupted, RankFailure
+    from ddpexp.run import run
+
+    try:
+        return run(dcfg)
+    except Interrupted:
+        raise
+    except Exception as e:
+        if not isinstance(e, RankFailure) and not is_config_error(e):
+            raise
+        line = str(e).splitlines()[0] if isinstance(e, RankFailure) else one_line(e)
+        FAILED.append(f"{HydraConfig.get().runtime.output_dir}: {line}")
+        print(f"ddpexp: error: job {HydraConfig.get().job.num} failed: {line}", file=sys.stderr)
+        return float("nan")
 
 
 def main() -> None:
@@ -35,9 +60,9 @@ def main() -> None:
     install_error_reporting()
     hydra.main(config_path=os.path.normpath(CONF_DIR), config_name="config", version_base="1.3")(_task)()
     if "ddpexp.run" in sys.modules:  # a multirun that submitted jobs to a scheduler: wait for them now
-        failed = sys.modules["ddpexp.run"].wait_deferred()
-        if failed:
-            sys.exit(f"ddpexp: {failed} job(s) failed")
+        FAILED.extend(sys.modules["ddpexp.run"].wait_deferred())
+    if FAILED:
+        sys.exit(f"ddpexp: {len(FAILED)} job(s) of the sweep failed:\n  " + "\n  ".join(FAILED))
 
 
 if __name__ == "__main__":

@@ -106,6 +106,18 @@ def load(path: str) -> dict[str, Any]:
     return state
 
 
+def resolve(path: str) -> str:
+    """`resume=PATH`: a checkpoint file, a checkpoints/ folder or a job dir (its newest valid checkpoint)."""
+    if os.path.isdir(path):
+        folder = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+        found = find_latest(folder)
+        if found is None:
+            raise CheckpointError(f"resume={path}: no valid checkpoint in {folder}")
+        return found
+    load(path)  # refuses a missing, truncated or unsafe file with a message naming it
+    return path
+
+
 def find_latest(ckpt_dir: str) -> str | None:
     """The newest checkpoint that loads: the marker's file, else older step files (a kill mid-save)."""
     candidates = list(reversed(step_files(ckpt_dir)))

@@ -73,8 +73,11 @@ class DebugConfig:
     """Test and diagnosis hooks; all off by default."""
 
     check_replicas: bool = False  # all-gather the final parameters and record whether ranks agree
-    fail_at_step: int | None = None  # raise on `fail_rank` at this optimizer step
+    fail_at_step: int | None = None  # raise on `fail_rank` after this optimizer step
+    kill_at_step: int | None = None  # SIGKILL `fail_rank` after this step (not in a resumed run)
+    hang_at_step: int | None = None  # `fail_rank` sleeps forever after this step (not in a resumed run)
     fail_rank: int = 0
+    step_delay_s: float = 0.0  # sleep after every step: makes a short run long enough to signal in tests
 
 
 @dataclass
@@ -101,6 +104,9 @@ class Config:
     log_every_n_steps: int = 10
     eval_every_n_epochs: int = 1
     checkpoint_every_n_epochs: int | None = None  # last.pt is always written at the end
+    checkpoint_every_n_steps: int | None = None  # also mid-epoch; resume continues at the exact batch
+    resume: str = "auto"  # auto: from this job dir's newest valid checkpoint if any; never; or a PATH
+    resume_allow_config_change: bool = False  # resume although model/data/optimizer/batch/seed/world size differ
     keep_last_checkpoints: int = 2  # step-N.pt files kept beside last.pt
     num_workers: int = 0
     compile: bool = False
@@ -124,6 +130,10 @@ class Config:
         check(self.eval_every_n_epochs >= 1, f"eval_every_n_epochs={self.eval_every_n_epochs}: must be >= 1")
         check(self.dist_timeout_s > 0, f"dist_timeout_s={self.dist_timeout_s}: must be > 0")
         check(self.keep_last_checkpoints >= 1, f"keep_last_checkpoints={self.keep_last_checkpoints}: must be >= 1")
+        for key in ("checkpoint_every_n_steps", "checkpoint_every_n_epochs"):
+            value = getattr(self, key)
+            check(value is None or value >= 1, f"{key}={value}: must be >= 1 or null")
+        check(bool(self.resume), "resume='': must be auto, never or a checkpoint PATH")
         check(self.num_workers >= 0, f"num_workers={self.num_workers}: must be >= 0")
         for group in ("model", "data", "optimizer"):
             node = getattr(self, group)

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-CONFIG_EXIT, FAILED_EXIT = 2, 1
+CONFIG_EXIT, FAILED_EXIT, INTERRUPTED_EXIT = 2, 1, 130
 _SKIP = ("full_key:", "object_type=", "reference_type=", "Set the environment variable HYDRA_FULL_ERROR")
 
 
@@ -46,13 +46,20 @@ def is_config_error(error: BaseException) -> bool:
 
 
 def report(func: Callable[[], Any]) -> Any:
-    from ddpexp.launchers import RankFailure
+    from ddpexp.launchers import Interrupted, RankFailure
 
     try:
         return func()
     except RankFailure as e:
         print(f"ddpexp: error: {e}", file=sys.stderr)
         sys.exit(FAILED_EXIT)
+    except Interrupted as e:
+        print(f"ddpexp: {e}", file=sys.stderr)
+        sys.exit(INTERRUPTED_EXIT)
+    except KeyboardInterrupt:
+        print("ddpexp: interrupted again: ranks killed at once; `resume=auto` in the same dir continues from the "
+              "last checkpoint", file=sys.stderr)  # fmt: skip
+        sys.exit(INTERRUPTED_EXIT)
     except Exception as e:
         if not is_config_error(e):
             raise

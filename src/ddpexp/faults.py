@@ -19,3 +19,74 @@ def die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
     if os.getppid() != parent.pid:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def detach_from_terminal() -> None:
+    """A rank started by this command leaves the terminal's process group: Ctrl-C reaches only the command,
+    which stops the ranks once (spawn forwards SIGTERM, torchrun's agent SIGINT). Otherwise each rank would see
+    the terminal's signal and the forwarded one, i.e. two signals, which means "exit at once"."""
+    if multiprocessing.parent_process() is not None:
+        try:
+            os.setpgid(0, 0)
+        except OSError:  # already a group leader, or not allowed: keep the terminal's group
+            pass
+
+
+STOP, REQUEUE = 1, 2  # stop reasons, ordered: ranks agree on the max
+
+
+class StopSignals:
+    """SIGINT/SIGTERM (and the scheduler's requeue signal) only set a flag, read by the loop at a step boundary,
+    where the ranks agree, checkpoint once and exit. A second signal exits at once."""
+
+    def __init__(self, requeue_signal: str | None = None):
+        self.reason, self.signame = 0, ""
+        self.requeue = getattr(signal, f"SIG{requeue_signal}") if requeue_signal else None
+        sigs = {signal.SIGINT, signal.SIGTERM} | ({self.requeue} if self.requeue else set())
+        self.previous = {}
+        for sig in sigs:
+            if signal.getsignal(sig) is signal.SIG_IGN and sig == signal.SIGINT:
+                continue  # started with SIGINT ignored (nohup, `cmd &`): keep it so
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.reason:
+            os._exit(128 + signum)
+        self.reason = REQUEUE if signum == self.requeue else STOP
+        self.signame = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+class forward_signals:  # noqa: N801 - used as a context manager
+    """In a parent that started ranks: the first SIGINT/SIGTERM is forwarded to them as SIGTERM (they checkpoint
+    and stop); a second one raises KeyboardInterrupt here, and PDEATHSIG takes the ranks down at once."""
+
+    def __init__(self, pids: list[int]):
+        self.pids, self.received = pids, ""
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received:
+            self.__exit__()
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+        print(f"ddpexp: {self.received}: stopping at the next step boundary (again to exit at once)", file=sys.stderr)
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def __enter__(self) -> forward_signals:
+        self.previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}

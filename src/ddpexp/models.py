@@ -5,13 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 
-def mlp(num_classes: int, in_channels: int, image_size: int, hidden: tuple[int, ...] = (256, 256)) -> Any:
+def mlp(
+    num_classes: int, in_channels: int, image_size: int, hidden: tuple[int, ...] = (256, 256), dropout: float = 0.0
+) -> Any:
     from torch import nn
 
     dims = [in_channels * image_size * image_size, *hidden]
     layers: list[nn.Module] = [nn.Flatten()]
     for d_in, d_out in zip(dims, dims[1:]):
-        layers += [nn.Linear(d_in, d_out), nn.ReLU()]
+        layers += [nn.Linear(d_in, d_out), nn.ReLU()] + ([nn.Dropout(dropout)] if dropout else [])
     return nn.Sequential(*layers, nn.Linear(dims[-1], num_classes))
 
 

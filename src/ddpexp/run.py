@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import shlex
 import sys
 import time
 from typing import Any
@@ -19,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ddpexp import data
 from ddpexp.config import Config, ConfigError
 from ddpexp.job import Job, read_json, write_json
-from ddpexp.launchers import RankFailure, tail
+from ddpexp.launchers import Interrupted, RankFailure, tail
 from ddpexp.plan import render as render_plan
 
 log = logging.getLogger("ddpexp")
@@ -40,6 +41,9 @@ def run(dcfg: DictConfig) -> float | None:
     if cfg.plan:
         print(render_plan(cfg, job, sys.modules[launch.__module__]))
         return None
+    done = check_resume(cfg, job)
+    if done is not None:
+        return done
     data.prepare(cfg.data)
 
     from ddpexp import worker  # torch and the training stack, only once the config is known to be good
@@ -71,15 +75,15 @@ def wait(job: Job, waiter: Any, start: float) -> float | None:
     return finish(job, start)
 
 
-def wait_deferred() -> int:
-    """After a multirun's submissions: wait for each job; returns how many failed."""
-    failed = 0
+def wait_deferred() -> list[str]:
+    """After a multirun's submissions: wait for each job; returns the failed ones as "job_dir: error"."""
+    failed = []
     while DEFERRED:
         job, waiter, start = DEFERRED.pop(0)
         try:
             wait(job, waiter, start)
         except RankFailure as e:
-            failed += 1
+            failed.append(f"{job.dir}: {str(e).splitlines()[0]}")
             print(f"ddpexp: error: job {job.dir}: {e}", file=sys.stderr)
     return failed
 
@@ -89,10 +93,94 @@ def finish(job: Job, start: float) -> float | None:
     if summary is None:  # multi-node: global rank 0, and with it the run record, is on another node
         print(f"ddpexp: this node's ranks finished in {time.time() - start:.1f}s; rank 0 holds the run record")
         return None
+    if summary.get("status") in ("interrupted", "requeued") or _signalled(summary):
+        raise Interrupted(interrupted_message(job, summary))
     final = summary.get("final", {})
     metrics = " ".join(f"{k}={v:.4f}" for k, v in final.items())
     print(f"ddpexp: {summary.get('status', 'finished')} in {time.time() - start:.1f}s: {metrics} -> {job.dir}")
     return final.get("val/acc")
+
+
+def _signalled(summary: dict[str, Any]) -> bool:
+    return summary.get("status") == "failed" and "SignalException" in str(summary.get("error", ""))
+
+
+def interrupted_message(job: Job, summary: dict[str, Any]) -> str:
+    """The line a stopped job ends with: where it stopped and the exact command that continues it."""
+    where = f"at step {summary['steps']}" if "steps" in summary else "before its first step"
+    ckpt = f"checkpoint {summary['checkpoint']}" if summary.get("checkpoint") else "no checkpoint written"
+    again = [a for a in sys.argv[1:] if not a.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
+    hc = HydraConfig.get()
+    where_dir = f"hydra.sweep.dir={hc.sweep.dir}" if hc.mode == RunMode.MULTIRUN else f"hydra.run.dir={job.dir}"
+    command = shlex.join(["python", "-m", "ddpexp", *again, where_dir])
+    return f"interrupted by {summary.get('signal', 'a signal')} {where}, {ckpt}; resume with: {command}"
+
+
+def check_resume(cfg: Config, job: Job) -> float | None:
+    """Before anything starts: a bad `resume=PATH`, a finished job, or a checkpoint written under a different
+    config (one that changes results) each end here, with one line."""
+    from ddpexp import checkpoint
+
+    own = checkpoint.find_latest(job.checkpoint_dir) if os.path.isdir(job.checkpoint_dir) else None
+    if cfg.resume == "never":
+        if own is not None:
+            raise ConfigError(
+                f"resume=never but {job.dir} holds checkpoints of an earlier run; "
+                "use resume=auto to continue it, or another hydra.run.dir"
+            )
+        return None
+    source = own or (checkpoint.resolve(cfg.resume) if cfg.resume != "auto" else None)
+    if source is None:
+        return None
+    saved = checkpoint.load(source)["config"]
+    drift = config_drift(yaml.safe_load(saved), yaml.safe_load(job.config_yaml))
+    if drift and not cfg.resume_allow_config_change:
+        raise ConfigError(
+            f"resume: {source} was trained with a different {', '.join(drift)}; "
+            "set resume_allow_config_change=true to resume anyway, or resume=never in a new dir"
+        )
+    summary = read_json(job.summary_path) or {}
+    if own is not None and summary.get("status") == "completed" and saved == job.config_yaml:
+        final = summary.get("final", {})
+        print(f"ddpexp: {job.dir} already completed (val/acc={final.get('val/acc')}); nothing to do")
+        return final.get("val/acc")
+    print(f"ddpexp: resuming from {source}", flush=True)
+    return None
+
+
+# What decides the numbers a run produces; a checkpoint resumed under other values would not be "the same run".
+DRIFT_KEYS = ("model", "data", "optimizer", "scheduler", "batch_size", "grad_accum", "seed", "precision",
+              "clip_grad_norm", "world_size")  # fmt: skip
+NOT_DRIFT = ("data.root", "data.download")
+
+
+def config_drift(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The result-changing keys that differ between two resolved configs (dotted, sorted)."""
+
+    def flat(cfg: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key in DRIFT_KEYS:
+            value = world_size(cfg) if key == "world_size" else cfg.get(key)
+            stack = [(key, value)]
+            while stack:
+                k, v = stack.pop()
+                if isinstance(v, dict) and v:
+                    stack += [(f"{k}.{kk}", vv) for kk, vv in v.items()]
+                elif not k.startswith(NOT_DRIFT):
+                    out[k] = v
+        return out
+
+    a, b = flat(old), flat(new)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def world_size(cfg: dict[str, Any]) -> int | None:
+    """Ranks the config asks for, when it fixes them (an elastic torchrun range does not)."""
+    launcher = cfg.get("launcher", {})
+    nodes = launcher.get("nodes", launcher.get("nnodes", 1))
+    if cfg.get("gpus") is None or ":" in str(nodes):
+        return None
+    return int(cfg["gpus"]) * int(nodes)
 
 
 def to_config(dcfg: DictConfig) -> Config:

@@ -29,15 +29,21 @@ class NullTracker:
 
 
 class Tracker(NullTracker):
-    def __init__(self, job: Job, wandb_cfg: WandbConfig, config: dict[str, Any], progress_bar: bool):
+    def __init__(
+        self, job: Job, wandb_cfg: WandbConfig, config: dict[str, Any], progress_bar: bool, resume: dict | None = None
+    ):
         self.job = job
+        # Resuming from step s: the lines after s go (the resumed run writes them again, identically), while W&B,
+        # which cannot rewrite history, gets nothing up to the last step it already has.
+        self.logged_until = truncate_metrics(job.metrics_path, resume["step"]) if resume else -1
         self.metrics = open(job.metrics_path, "a", buffering=1)
         self.tty = progress_bar and sys.stderr.isatty()
-        self.run, self.wandb_info = init_wandb(wandb_cfg, job, config)
+        self.run, self.wandb_info = init_wandb(wandb_cfg, job, config, resume.get("wandb_id") if resume else None)
+        self.wandb_id = self.wandb_info["id"]
 
     def log(self, metrics: dict[str, float], step: int, epoch: int) -> None:
         self.metrics.write(json.dumps({"step": step, "epoch": epoch, **metrics}) + "\n")
-        if self.run is not None:
+        if self.run is not None and step > self.logged_until:
             self.run.log({**metrics, "epoch": epoch}, step=step)
 
     def progress(self, text: str) -> None:
@@ -59,6 +65,20 @@ class Tracker(NullTracker):
                 log.warning("W&B finish failed: %s", e)
 
 
+def truncate_metrics(path: str, step: int) -> int:
+    """Keep metrics.jsonl's lines up to `step`; return the last step it held (what W&B has seen too)."""
+    try:
+        with open(path) as f:
+            rows = [line for line in f if line.strip()]
+    except FileNotFoundError:
+        return -1
+    steps = [json.loads(line)["step"] for line in rows]
+    with open(f"{path}.tmp", "w") as f:
+        f.writelines(line for line, s in zip(rows, steps) if s <= step)
+    os.replace(f"{path}.tmp", path)
+    return max(steps, default=-1)
+
+
 def has_api_key() -> bool:
     if os.environ.get("WANDB_API_KEY"):
         return True
@@ -69,7 +89,9 @@ def has_api_key() -> bool:
         return False
 
 
-def init_wandb(cfg: WandbConfig, job: Job, config: dict[str, Any]) -> tuple[Any | None, dict[str, Any]]:
+def init_wandb(
+    cfg: WandbConfig, job: Job, config: dict[str, Any], run_id: str | None = None
+) -> tuple[Any | None, dict[str, Any]]:
     """Start the job's W&B run. Failing online falls back to offline, failing offline to disabled: never raise."""
     mode = cfg.mode
     if mode == "auto":
@@ -78,7 +100,7 @@ def init_wandb(cfg: WandbConfig, job: Job, config: dict[str, Any]) -> tuple[Any 
         if attempt == "disabled":
             break
         try:
-            run = _wandb_init(cfg, job, config, attempt)
+            run = _wandb_init(cfg, job, config, attempt, run_id)
         except Exception as e:  # no network, bad key, service error: warn and go on
             log.warning("W&B %s init failed (%s: %s); continuing without it", attempt, type(e).__name__, e)
             continue
@@ -89,10 +111,12 @@ def init_wandb(cfg: WandbConfig, job: Job, config: dict[str, Any]) -> tuple[Any 
     return None, {"mode": "disabled", "id": None, "dir": None}
 
 
-def _wandb_init(cfg: WandbConfig, job: Job, config: dict[str, Any], mode: str) -> Any:
+def _wandb_init(cfg: WandbConfig, job: Job, config: dict[str, Any], mode: str, run_id: str | None) -> Any:
     import wandb
 
     return wandb.init(
+        id=run_id,
+        resume="allow" if run_id else None,
         project=cfg.project,
         entity=cfg.entity,
         group=cfg.group or job.group,

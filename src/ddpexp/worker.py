@@ -6,10 +6,13 @@ tracking; it reads RANK / LOCAL_RANK / WORLD_SIZE / LOCAL_WORLD_SIZE and nothing
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import logging
 import os
 import platform
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +20,7 @@ import time
 import traceback
 from contextlib import nullcontext
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -25,11 +29,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Subset
 
-from ddpexp import checkpoint
-from ddpexp.config import Config
-from ddpexp.faults import die_with_parent
+from ddpexp import checkpoint, data
+from ddpexp.config import Config, ConfigError
+from ddpexp.faults import REQUEUE, StopSignals, detach_from_terminal, die_with_parent
 from ddpexp.job import Job, write_json
 from ddpexp.optim import call_accepting
 from ddpexp.tracking import NullTracker, Tracker
@@ -39,6 +43,9 @@ log = logging.getLogger("ddpexp")
 
 def main(cfg: Config, job: Job) -> None:
     die_with_parent()
+    if job.launcher != "slurm":  # a Slurm task stays in its step's process group: slurmstepd tracks it there
+        detach_from_terminal()
+    stop = StopSignals(os.environ.get("DDPEXP_REQUEUE_SIGNAL"))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     handlers = _setup_logging(job, rank)
@@ -54,15 +61,28 @@ def main(cfg: Config, job: Job) -> None:
     summary: dict[str, Any] = {"status": "failed", "launcher": job.launcher, "world_size": world_size}
     start = time.time()
     try:
-        hosts: list[str] = [""] * world_size
-        dist.all_gather_object(hosts, socket.gethostname())
+        hosts: list[Any] = [None] * world_size
+        dist.all_gather_object(hosts, (socket.gethostname(), hashlib.sha256(job.config_yaml.encode()).hexdigest()))
+        resume = _resume_state(cfg, job)
         if rank == 0:
-            tracker = Tracker(job, cfg.wandb, _config_dict(job), cfg.progress_bar)
-        summary.update(device=str(device), hostnames=sorted(set(hosts)), **_environment())
+            own = resume if resume is not None and resume["own"] else None  # resume=PATH: a new record, new W&B run
+            tracker = Tracker(job, cfg.wandb, _config_dict(job), cfg.progress_bar, own)
+        summary.update(device=str(device), hostnames=sorted({h for h, _ in hosts}), **_environment())
+        summary["config_sha256_per_rank"] = [c for _, c in hosts]
+        summary["restarts"] = int(
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("SLURM_RESTART_COUNT", 0))
+        )
         if "SLURM_JOB_ID" in os.environ:
             summary["slurm"] = {k: os.environ.get(f"SLURM_{k.upper()}") for k in ("job_id", "job_nodelist", "ntasks")}
-        summary.update(train(cfg, job, device, tracker))
+        if resume is not None:
+            summary["resumed_from"] = {"path": resume["path"], "step": resume["step"]}
+        summary.update(train(cfg, job, device, tracker, resume, stop))
         summary["status"] = "completed"
+    except Interrupted as e:
+        summary.update(status="interrupted", signal=e.signal, steps=e.step, checkpoint=e.path)
+        if e.requeue and rank == 0:
+            summary["status"] = "requeued" if _requeue() else "interrupted"
+        log.warning("%s: stopped at step %d, checkpoint %s", e.signal, e.step, e.path)
     except BaseException as e:
         log.exception("rank %d failed", rank)
         summary["error"] = f"{type(e).__name__}: {e} (rank {rank})"
@@ -72,12 +92,21 @@ def main(cfg: Config, job: Job) -> None:
         summary["wall_time_s"] = round(time.time() - start, 3)
         tracker.finish(summary)
         dist.destroy_process_group()
+        stop.restore()
         for h in handlers:
             logging.getLogger("ddpexp").removeHandler(h)
             h.close()
 
 
-def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker) -> dict[str, Any]:
+class Interrupted(Exception):
+    """A stop signal, agreed on by every rank at a step boundary, after the checkpoint was written."""
+
+    def __init__(self, signal: str, requeue: bool, step: int, path: str):
+        super().__init__(f"{signal} at step {step}")
+        self.signal, self.requeue, self.step, self.path = signal, requeue, step, path
+
+
+def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker, resume: dict | None, stop) -> dict:  # type: ignore[no-untyped-def]
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # Same seed everywhere so every replica starts from the same weights (DDP also broadcasts them).
     _seed(cfg.seed)
@@ -90,6 +119,8 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker) -> 
     model = model.to(memory_format=memory_format)
     if cfg.ddp.sync_batchnorm:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if resume is not None:
+        model.load_state_dict(resume["model"])
     ddp = DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -101,14 +132,13 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker) -> 
     step_model = torch.compile(ddp) if cfg.compile else ddp
     _seed(cfg.seed + rank)  # per-rank streams for anything random after this point (dropout, augmentation)
 
-    sampler = DistributedSampler(splits.train, world_size, rank, shuffle=True, seed=cfg.seed)
-    loader = DataLoader(
-        splits.train, cfg.batch_size, sampler=sampler, num_workers=cfg.num_workers,
-        pin_memory=device.type == "cuda", persistent_workers=cfg.num_workers > 0,
-    )  # fmt: skip
-    n_batches = len(loader)
-    steps_per_epoch = -(-n_batches // cfg.grad_accum)
-    total_steps = min(cfg.max_steps or sys.maxsize, cfg.epochs * steps_per_epoch)
+    loader = data.train_loader(splits, cfg, rank, world_size, device)
+    try:
+        n_batches: int | None = len(loader)
+    except TypeError:  # an IterableDataset: epochs end when the first rank runs dry
+        n_batches = None
+    steps_per_epoch = -(-n_batches // cfg.grad_accum) if n_batches is not None else None
+    total_steps = min(cfg.max_steps or sys.maxsize, cfg.epochs * (steps_per_epoch or sys.maxsize))
     optimizer = instantiate(cfg.optimizer)(ddp.parameters())
     scheduler = (
         call_accepting(instantiate(cfg.scheduler), optimizer, total_steps=total_steps) if cfg.scheduler else None
@@ -118,36 +148,68 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker) -> 
         device.type, dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float16, enabled=cfg.precision != "fp32"
     )
     log.info(
-        "rank %d/%d on %s: %d train / %d val samples, %d steps/epoch, %d steps",
-        rank, world_size, device, len(splits.train), len(splits.val), steps_per_epoch, total_steps,
+        "rank %d/%d on %s: %d train / %d val samples, %s steps/epoch, %d steps",
+        rank, world_size, device, _len(splits.train), len(splits.val), steps_per_epoch, total_steps,
     )  # fmt: skip
 
-    step, epoch, final = 0, 0, {}
+    step, final = 0, {}
     loss_sum = torch.zeros((), device=device)
     last_log = (time.perf_counter(), 0)  # (time, step) of the last log line
-    for epoch in range(cfg.epochs):
-        sampler.set_epoch(epoch)
+    start_epoch, start_batch = 0, 0
+    if resume is not None:
+        optimizer.load_state_dict(resume["optimizer"])
+        if scheduler is not None and resume.get("scheduler") is not None:
+            scheduler.load_state_dict(resume["scheduler"])
+        if scaler.is_enabled() and resume.get("scaler") is not None:
+            scaler.load_state_dict(resume["scaler"])
+        step, final = resume["step"], dict(resume.get("final", {}))
+        start_epoch, start_batch = resume["epoch"], resume.get("batch_in_epoch", 0)
+        loss_sum += resume["loss_sum"][rank] if "loss_sum" in resume else 0.0
+        last_log = (time.perf_counter(), resume.get("last_log_step", step))
+        log.info(
+            "rank %d resumed from %s: step %d, epoch %d, batch %d", rank, resume["path"], step, start_epoch, start_batch
+        )
+    save = partial(_save_checkpoint, cfg, job, model, optimizer, scheduler, scaler, tracker)
+    # The per-step agreement stays on the CPU, off the GPU's stream; new_group's default timeout is 30 min.
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.dist_timeout_s))
+    debug = Debug(cfg.debug, rank, resumed=resume is not None)
+
+    epoch = start_epoch
+    for epoch in range(start_epoch, cfg.epochs):
+        if step >= total_steps:
+            break
+        skip = start_batch if epoch == start_epoch else 0
+        loader.set_epoch(epoch, skip)
+        if resume is not None and epoch == start_epoch and skip == 0:
+            checkpoint.set_rng_state(resume["rng"][rank])
+        batches = iter(loader)  # draws the loader's base seed from torch's RNG, as the uninterrupted run did
+        if resume is not None and epoch == start_epoch and skip > 0:
+            checkpoint.set_rng_state(resume["rng"][rank])  # after that draw, which it made before the checkpoint
         ddp.train()
-        group: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i, (x, y) in enumerate(loader):
-            group.append(
+        consumed = skip  # micro-batches of this epoch behind us
+        while step < total_steps:
+            group = [
                 (x.to(device, non_blocking=True, memory_format=memory_format), y.to(device, non_blocking=True))
-            )
-            if len(group) < cfg.grad_accum and i < n_batches - 1:
-                continue
+                for x, y in itertools.islice(batches, cfg.grad_accum)
+            ]
+            reason, exhausted = _agree(control, stop.reason, not group)
+            if reason:
+                path = save(epoch, consumed, step, loss_sum, last_log[1], final)
+                raise Interrupted(stop.signame or "a rank's stop signal", reason == REQUEUE, step, path)
+            if exhausted:
+                break
+            consumed += len(group)
             loss_sum += _optimizer_step(cfg, step_model, ddp, optimizer, scaler, autocast, group)
-            group = []
             if scheduler is not None:
                 scheduler.step()
             step += 1
-            if cfg.debug.fail_at_step == step and rank == cfg.debug.fail_rank:
-                raise RuntimeError(f"debug.fail_at_step={step}: rank {rank} fails on purpose")
+            debug.after_step(step)
             tracker.progress(f"epoch {epoch} step {step}/{total_steps}")
             if step % cfg.log_every_n_steps == 0 or step == total_steps:
                 final["train/loss"], last_log = _log_train(cfg, tracker, optimizer, loss_sum, step, epoch, last_log)
                 loss_sum.zero_()
-            if step >= total_steps:
-                break
+            if cfg.checkpoint_every_n_steps and step % cfg.checkpoint_every_n_steps == 0 and step < total_steps:
+                save(epoch, consumed, step, loss_sum, last_log[1], final)
         last_epoch = step >= total_steps or epoch == cfg.epochs - 1
         if (epoch + 1) % cfg.eval_every_n_epochs == 0 or last_epoch:
             metrics = evaluate(model, splits.val, cfg.batch_size, device, autocast, memory_format)
@@ -157,15 +219,83 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker) -> 
                 "epoch %d step %d: val/loss %.4f val/acc %.4f", epoch, step, metrics["val/loss"], metrics["val/acc"]
             )
         if last_epoch or (cfg.checkpoint_every_n_epochs and (epoch + 1) % cfg.checkpoint_every_n_epochs == 0):
-            _save_checkpoint(cfg, job, model, optimizer, scheduler, scaler, epoch, step)
-        if step >= total_steps:
-            break
+            save(epoch + 1, 0, step, loss_sum, last_log[1], final)
 
     result: dict[str, Any] = {"final": final, "steps": step, "epochs": epoch + 1, "val_samples": len(splits.val)}
-    result["restarts"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if cfg.debug.check_replicas:
         result["replicas"] = _compare_replicas(model)
     return result
+
+
+def _agree(group: Any, reason: int, exhausted: bool) -> tuple[int, bool]:
+    """Every rank learns, before each step, whether any rank was asked to stop or ran out of batches (uneven
+    shards): one tiny CPU all-reduce. Without it, a rank that stops alone leaves the others in a collective."""
+    flags = torch.tensor([reason, int(exhausted)], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return int(flags[0]), bool(flags[1])
+
+
+class Debug:
+    """Test-only faults (`debug.*`), fired after an optimizer step; kill and hang only in a run not resumed."""
+
+    def __init__(self, cfg: Any, rank: int, resumed: bool):
+        self.cfg, self.mine, self.resumed = cfg, rank == cfg.fail_rank, resumed
+
+    def after_step(self, step: int) -> None:
+        if self.cfg.step_delay_s:
+            time.sleep(self.cfg.step_delay_s)
+        if not self.mine:
+            return
+        if self.cfg.fail_at_step == step:
+            raise RuntimeError(f"debug.fail_at_step={step}: rank {self.cfg.fail_rank} fails on purpose")
+        if self.cfg.kill_at_step == step and not self.resumed:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.cfg.hang_at_step == step and not self.resumed:
+            log.warning("debug.hang_at_step=%d: rank %d hangs on purpose", step, self.cfg.fail_rank)
+            while True:
+                time.sleep(3600)
+
+
+def _resume_state(cfg: Config, job: Job) -> dict[str, Any] | None:
+    """Rank 0 picks the checkpoint (this job's newest valid one, else `resume=PATH`) and tells the others."""
+    choice: list[str | None] = [None]
+    if dist.get_rank() == 0 and cfg.resume != "never":
+        choice[0] = checkpoint.find_latest(job.checkpoint_dir)
+        if choice[0] is None and cfg.resume != "auto":
+            choice[0] = checkpoint.resolve(cfg.resume)
+    dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None:
+        return None
+    state = checkpoint.load(choice[0])
+    if state.get("world_size", dist.get_world_size()) != dist.get_world_size() and not cfg.resume_allow_config_change:
+        raise ConfigError(
+            f"resume: {choice[0]} was written by {state['world_size']} ranks, this job has {dist.get_world_size()}; "
+            "set resume_allow_config_change=true to continue anyway (from the next epoch)"
+        )
+    if state.get("world_size", dist.get_world_size()) != dist.get_world_size():
+        state.update(epoch=state["epoch"] + (state.get("batch_in_epoch", 0) > 0), batch_in_epoch=0)
+        state["rng"] = [state["rng"][0]] * dist.get_world_size()
+        state["loss_sum"] = [sum(state["loss_sum"]) / dist.get_world_size()] * dist.get_world_size()
+    if isinstance(state["rng"], dict):  # a checkpoint of rank 0's RNG only
+        state["rng"] = [state["rng"]] * dist.get_world_size()
+    state["path"] = choice[0]
+    state["own"] = os.path.dirname(os.path.abspath(choice[0])) == os.path.abspath(job.checkpoint_dir)
+    return state
+
+
+def _requeue() -> bool:
+    """Slurm: put this job back in the queue (same job id, same job dir: it resumes from the checkpoint)."""
+    job_id = os.environ.get("SLURM_ARRAY_JOB_ID", os.environ.get("SLURM_JOB_ID"))
+    if job_id and "SLURM_ARRAY_TASK_ID" in os.environ:
+        job_id = f"{job_id}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    if not job_id:
+        return False
+    done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    if done.returncode != 0:
+        log.error("scontrol requeue %s failed: %s", job_id, done.stderr.strip())
+        return False
+    log.warning("requeued Slurm job %s; it resumes from the checkpoint", job_id)
+    return True
 
 
 def _optimizer_step(cfg, step_model, ddp, optimizer, scaler, autocast, group) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -228,20 +358,33 @@ def evaluate(model, dataset, batch_size, device, autocast, memory_format=torch.c
     return {"val/loss": loss / count, "val/acc": correct / count}
 
 
-def _save_checkpoint(cfg, job, model, optimizer, scheduler, scaler, epoch, step) -> None:  # type: ignore[no-untyped-def]
+def _save_checkpoint(
+    cfg, job, model, optimizer, scheduler, scaler, tracker, epoch, batch_in_epoch, step, loss_sum, last_log_step, final
+) -> str:  # type: ignore[no-untyped-def]
+    """Everything an exact resume needs: weights, optimizer/scheduler/scaler, the data position (epoch, batches
+    consumed in it), every rank's RNG states, the pending loss sum of the log interval, the config and W&B id."""
+    per_rank: list[Any] = [None] * dist.get_world_size()  # each rank's RNG streams and pending loss sum
+    dist.all_gather_object(per_rank, (checkpoint.rng_state(), loss_sum.detach().cpu().clone()))
     if dist.get_rank() != 0:
-        return
+        return ""
     state = {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler.is_enabled() else None,
         "epoch": epoch,
+        "batch_in_epoch": batch_in_epoch,
         "step": step,
-        "rng": checkpoint.rng_state(),
+        "world_size": dist.get_world_size(),
+        "rng": [rng for rng, _ in per_rank],
+        "loss_sum": [loss for _, loss in per_rank],
+        "last_log_step": last_log_step,
+        "final": dict(final),
         "config": job.config_yaml,
+        "config_sha256": hashlib.sha256(job.config_yaml.encode()).hexdigest(),
+        "wandb_id": getattr(tracker, "wandb_id", None),
     }
-    checkpoint.save(state, job.checkpoint_dir, step, cfg.keep_last_checkpoints)
+    return checkpoint.save(state, job.checkpoint_dir, step, cfg.keep_last_checkpoints)
 
 
 def _compare_replicas(model: torch.nn.Module) -> dict[str, Any]:
@@ -291,6 +434,13 @@ def _setup_logging(job: Job, rank: int) -> list[logging.Handler]:
     # Tracebacks go to the rank's file only: the launcher shows the failing rank's once, not every rank's echo.
     handlers[-1].addFilter(lambda record: record.exc_info is None or len(handlers) == 1)
     return handlers
+
+
+def _len(dataset: Any) -> int | str:
+    try:
+        return len(dataset)
+    except TypeError:
+        return "?"
 
 
 def _config_dict(job: Job) -> dict[str, Any]:

@@ -20,6 +20,10 @@ class RankFailure(RuntimeError):
         super().__init__(f"rank {rank} failed: {last}\n{self.detail}")
 
 
+class Interrupted(Exception):
+    """The job stopped on a signal after its ranks wrote a checkpoint; exit code 130, and how to resume."""
+
+
 def schema_name(name: str) -> str:
     return "".join(part.title() for part in name.split("_")) + "Config"
 

@@ -31,6 +31,7 @@ class SlurmConfig(LauncherConfig):
     job_name: str = "ddpexp"
     sbatch: dict[str, Any] = field(default_factory=dict)  # more #SBATCH options, e.g. {mail-type: END}
     setup: list[str] = field(default_factory=list)  # shell lines before the tasks start (module load ...)
+    signal_delay_s: int = 90  # Slurm sends USR2 this long before the time limit: the job checkpoints and requeues
     wait: bool = True  # follow rank 0's log until the job ends; false: print the job id and return
     poll_interval_s: float = 2.0
 
@@ -51,6 +52,9 @@ class SlurmTask:
 
         # Every GPU of the node stays visible: each rank picks cuda:LOCAL_RANK, as under spawn and torchrun.
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        # The worker takes submitit's preemption signal (USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise) as
+        # "checkpoint, then scontrol requeue": the requeued job runs this again and resumes from the job dir.
+        os.environ["DDPEXP_REQUEUE_SIGNAL"] = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
         self.worker(self.cfg, self.job)
 
 
@@ -69,6 +73,7 @@ def executor(cfg: Any, job: Any) -> Any:
     )
     ex = submitit.SlurmExecutor(folder=os.path.join(job.dir, "submitit"), max_num_timeout=0)
     params = dict(nodes=lc.nodes, ntasks_per_node=cfg.gpus, cpus_per_task=lc.cpus_per_task, time=lc.time_min)
+    params.update(signal_delay_s=lc.signal_delay_s)
     params.update(job_name=lc.job_name, additional_parameters=dict(lc.sbatch), setup=list(lc.setup))
     params.update(
         {k: getattr(lc, k) for k in ("partition", "account", "qos", "constraint", "exclude") if getattr(lc, k)}

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ddpexp.config import LauncherConfig
+from ddpexp.faults import forward_signals
 from ddpexp.launchers import RankFailure, tail
 
 
@@ -38,13 +40,30 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
         if n == 1 and lc.inline_single:
             _run_inline(worker, cfg, job, env)
         else:
-            mp.start_processes(_run_rank, args=(worker, cfg, job, env), nprocs=n, join=True, start_method="spawn")
+            _start_and_join(mp, n, (worker, cfg, job, env))
     except mp.ProcessRaisedException as e:
         raise RankFailure(e.error_index, tail(e.msg.split("error:", 1)[-1])) from None
     except mp.ProcessExitedException as e:
         raise RankFailure(e.error_index, f"exited with code {e.exit_code}") from None
     finally:
         del store
+
+
+def _start_and_join(mp: Any, n: int, args: tuple) -> None:
+    """Ranks start with SIGINT ignored (they leave the terminal's group once up: faults.detach_from_terminal);
+    this process forwards the user's first Ctrl-C/SIGTERM to them as SIGTERM (see faults.forward_signals)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ctx = mp.start_processes(_run_rank, args=args, nprocs=n, join=False, start_method="spawn")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    with forward_signals(ctx.pids()):
+        # A failed rank: the others get GRACE_S to fail on their own (gloo sees the peer go), then SIGTERM/SIGKILL.
+        while not ctx.join(timeout=0.5, grace_period=GRACE_S):
+            pass
+
+
+GRACE_S = 5.0
 
 
 def _run_rank(local_rank: int, worker: Callable[..., None], cfg: Any, job: Any, env: dict[str, str]) -> None:

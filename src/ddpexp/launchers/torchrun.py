@@ -42,12 +42,16 @@ class TorchrunConfig(LauncherConfig):
 
 
 def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     lc = cfg.launcher
-    # Restarts over gloo reuse the previous round's TCP store ports and fail to connect (pytorch#135712).
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if lc.max_restarts > 0:
+        # Restarts over gloo reuse the previous round's TCP store ports and fail to connect (pytorch#135712).
+        # The cost: the workers' store port is then picked by bind-and-release, a small race between jobs;
+        # without restarts the workers share the agent's store, bound once, and cannot collide.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)  # keeps restart notices
     # It logs every failed rank's traceback; RankFailure below shows the first failure's once.
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
@@ -67,6 +71,11 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
     )
     try:
         elastic_launch(config, _run_rank)(worker, cfg, job)
+    except SignalException as e:
+        # Ctrl-C/SIGTERM here: the agent passed it on to the ranks (they checkpoint and stop) and waited for
+        # them; the job's summary says where they stopped. A second signal would have ended the agent at once.
+        logging.getLogger("ddpexp").warning("torchrun agent stopped by %s", e.sigval.name)
+        return
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         detail = (

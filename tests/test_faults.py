@@ -1,0 +1,218 @@
+"""Faults on real multi-process runs: whatever stops a job, the next attempt ends with the weights of a run that
+was never stopped (same seed, same data order), and the record and W&B run continue without duplicates.
+
+Every run here is compared with one uninterrupted reference run (module fixture). The mlp has dropout, so the
+per-rank RNG states must be restored too, not only weights, optimizer and data position."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, alive, children_of, ddpexp_env, load_weights, read_metrics, read_summary, run_ddpexp
+from wandb_offline import find_offline_runs, read_offline_run
+
+pytestmark = pytest.mark.slow
+
+# 2 ranks x 12 steps per epoch x 2 epochs; a checkpoint every 5 steps, so step 15 is mid-epoch 1.
+COMMON = ["gpus=2", "model=mlp", "model.dropout=0.3", "epochs=2", "log_every_n_steps=2",
+          "checkpoint_every_n_steps=5", "seed=1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("reference")
+    run_ddpexp("launcher=spawn", *COMMON, "hydra.run.dir=ref", cwd=root)
+    return root / "ref"
+
+
+def assert_same_run(job: Path, reference: Path) -> None:
+    """Bit-equal weights, and the same metrics at the same steps, once each."""
+    ours, ref = load_weights(job), load_weights(reference)
+    assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "samples_per_s"} for r in rows]  # noqa: E731
+    assert strip(read_metrics(job)) == strip(read_metrics(reference))
+    assert read_summary(job)["final"] == read_summary(reference)["final"]
+
+
+def test_resume_mid_epoch_continues_the_same_run_and_refuses_a_changed_config(tmp_path: Path, reference: Path) -> None:
+    job = tmp_path / "job"
+    args = ["launcher=spawn", *COMMON, f"hydra.run.dir={job}"]
+    failed = run_ddpexp(*args, "debug.fail_at_step=17", cwd=tmp_path, check=False)
+    assert failed.returncode == 1 and "debug.fail_at_step=17" in failed.stderr
+    ckpts = sorted(p.name for p in (job / "checkpoints").glob("step-*.pt"))
+    assert ckpts == ["step-00000010.pt", "step-00000015.pt"]  # keep-last-2; 15 is mid-epoch 1
+    assert max(m["step"] for m in read_metrics(job)) == 16  # logged past the checkpoint before failing
+
+    # A result-changing key differs: one line naming it, exit 2, and nothing touched.
+    before = {p: p.stat().st_mtime_ns for p in job.rglob("*") if p.is_file()}
+    drift = run_ddpexp(*args, "batch_size=32", "optimizer.lr=0.01", cwd=tmp_path, check=False)
+    assert drift.returncode == 2 and drift.stderr.count("\n") == 1, drift.stderr
+    assert "different batch_size, optimizer.lr;" in drift.stderr and "resume_allow_config_change=true" in drift.stderr
+    assert {p: p.stat().st_mtime_ns for p in job.rglob("*") if p.is_file() and ".hydra" not in p.parts} == {
+        p: t for p, t in before.items() if ".hydra" not in p.parts
+    }
+
+    resumed = run_ddpexp(*args, cwd=tmp_path)  # resume=auto is the default
+    assert "resuming from" in resumed.stdout and "step-00000015.pt" in resumed.stdout
+    summary = read_summary(job)
+    assert summary["status"] == "completed" and summary["resumed_from"]["step"] == 15
+    assert_same_run(job, reference)
+
+    # One W&B run, continued: the second offline segment has the same id and only steps the first had not.
+    runs = [read_offline_run(r) for r in sorted(find_offline_runs(job / "wandb"))]
+    assert len(runs) == 2 and runs[0]["id"] == runs[1]["id"] == summary["wandb"]["id"]
+    first, second = ({row["_step"] for row in r["history"]} for r in runs)
+    assert max(first) == 16 and min(second) > 16 and first | second == {m["step"] for m in read_metrics(job)}
+
+    again = run_ddpexp(*args, cwd=tmp_path)
+    assert "already completed" in again.stdout and read_summary(job)["wall_time_s"] == summary["wall_time_s"]
+
+
+def test_torchrun_restart_after_a_sigkilled_rank_ends_bit_equal(tmp_path: Path, reference: Path) -> None:
+    job = tmp_path / "job"
+    run_ddpexp(
+        "launcher=torchrun", "launcher.max_restarts=1", *COMMON, "debug.kill_at_step=17", "debug.fail_rank=1",
+        f"hydra.run.dir={job}", cwd=tmp_path, timeout=180,
+    )  # fmt: skip
+    summary = read_summary(job)
+    assert summary["status"] == "completed" and summary["restarts"] == 1
+    assert summary["resumed_from"]["step"] == 15  # lost: 2 steps, less than one checkpoint interval
+    assert_same_run(job, reference)
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    """As from a terminal: its own process group, which a Ctrl-C signals as a whole."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddpexp", *args], cwd=cwd, env=ddpexp_env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+
+
+def wait_for_step(job: Path, step: int, proc: subprocess.Popen[str], timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        metrics = job / "metrics.jsonl"
+        if metrics.exists() and any(m["step"] >= step for m in read_metrics(job)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"never reached step {step}: {proc.communicate(timeout=30)}")
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_ctrl_c_checkpoints_prints_how_to_resume_and_resuming_ends_bit_equal(
+    tmp_path: Path, reference: Path, launcher: str
+) -> None:
+    job = tmp_path / "job"
+    proc = start([f"launcher={launcher}", *COMMON, "debug.step_delay_s=0.25", f"hydra.run.dir={job}"], tmp_path)
+    try:
+        wait_for_step(job, 4, proc)
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    summary = read_summary(job)
+    assert summary["status"] == "interrupted" and 4 <= summary["steps"] < 24
+    stopped = f"step-{summary['steps']:08d}.pt"
+    assert (job / "checkpoints" / "latest").read_text() == stopped
+    line = [x for x in err.splitlines() if x.startswith("ddpexp: interrupted by SIG")]
+    assert len(line) == 1 and f"at step {summary['steps']}, checkpoint " in line[0], err
+    command = shlex.split(line[0].split("resume with: ")[1])
+    assert command[:3] == ["python", "-m", "ddpexp"] and f"hydra.run.dir={job}" in command
+
+    run_ddpexp(*command[3:], cwd=tmp_path, timeout=180)
+    assert read_summary(job)["resumed_from"]["step"] == summary["steps"]
+    assert_same_run(job, reference)
+
+
+def test_a_second_ctrl_c_exits_at_once_and_takes_the_ranks_down(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    proc = start(["launcher=torchrun", *COMMON, "debug.step_delay_s=5", f"hydra.run.dir={job}"], tmp_path)
+    try:
+        wait_for_step(job, 2, proc)
+        ranks = [pid for kid in children_of(proc.pid) for pid in [kid, *children_of(kid)]]
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        begin = time.time()
+        os.kill(proc.pid, signal.SIGINT)  # the ranks are in their own group now: the user's second Ctrl-C
+        _, err = proc.communicate(timeout=20)
+        elapsed = time.time() - begin
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and elapsed < 5, (elapsed, err)
+    assert "interrupted again: ranks killed at once" in err
+    time.sleep(2)
+    assert len(ranks) >= 2 and [p for p in ranks if alive(p)] == []
+
+
+def test_sigkills_at_random_moments_then_resume_ends_bit_equal(tmp_path: Path, reference: Path) -> None:
+    """The whole command SIGKILLed (often inside a save: a checkpoint every step), twice; then it completes."""
+    import random
+
+    job = tmp_path / "job"
+    args = ["launcher=spawn", *COMMON, "checkpoint_every_n_steps=1", f"hydra.run.dir={job}"]
+    rng = random.Random(7)
+    for _ in range(2):
+        proc = start([*args, "debug.step_delay_s=0.05"], tmp_path)
+        try:
+            first = len(list((job / "checkpoints").glob("step-*.pt"))) if (job / "checkpoints").exists() else 0
+            wait_for_step(job, 2, proc)
+            time.sleep(rng.uniform(0.0, 0.6))
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        finally:
+            proc.kill()
+        assert first >= 0 and (job / "checkpoints").is_dir()
+    run_ddpexp(*args, cwd=tmp_path, timeout=180)
+    assert read_summary(job)["resumed_from"]["step"] > 0
+    assert_same_run(job, reference)
+
+
+def test_a_hung_rank_is_ended_by_the_collective_timeout(tmp_path: Path) -> None:
+    begin = time.time()
+    proc = run_ddpexp(
+        "launcher=spawn", "gpus=2", "debug.hang_at_step=3", "debug.fail_rank=1", "dist_timeout_s=5",
+        "wandb.mode=disabled", "hydra.run.dir=job", cwd=tmp_path, check=False, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1 and time.time() - begin < 60
+    assert re.search(r"rank 0 failed: .*(Timed out|timeout|timed out)", proc.stderr), proc.stderr
+    assert read_summary(tmp_path / "job")["status"] == "failed"
+
+
+def test_four_concurrent_jobs_per_launcher_never_collide_on_a_port(tmp_path: Path) -> None:
+    procs = []
+    for i, launcher in enumerate(["spawn", "torchrun"] * 4):
+        args = [
+            f"launcher={launcher}",
+            "gpus=2",
+            "max_steps=3",
+            "epochs=1",
+            "wandb.mode=disabled",
+            f"hydra.run.dir=j{i}",
+        ]
+        procs.append(start(args, tmp_path))
+    results = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 8, [err[-2000:] for _, err in results]
+    assert all(read_summary(tmp_path / f"j{i}")["steps"] == 3 for i in range(8))
+
+
+def test_uneven_per_rank_batches_end_together(tmp_path: Path) -> None:
+    """Rank 0's stream has 5 batches per epoch, rank 1's 9: every epoch ends when the first rank runs dry."""
+    proc = run_ddpexp(
+        "launcher=spawn", "gpus=2", "data._target_=uneven_data.splits", "batch_size=8", "model=mlp", "epochs=2",
+        "debug.check_replicas=true", "wandb.mode=disabled", "hydra.run.dir=job", cwd=tmp_path, timeout=120,
+        env={"PYTHONPATH": str(ROOT / "tests")},
+    )  # fmt: skip
+    summary = read_summary(tmp_path / "job")
+    assert proc.returncode == 0 and summary["status"] == "completed" and summary["steps"] == 10
+    assert summary["replicas"]["identical"] and summary["val_samples"] == 30
