@@ -125,6 +125,30 @@ def quick() -> list[str]:
     return list(QUICK)
 
 
+# The faults' runs (test_faults, test_slurm): 2 ranks x 12 steps per epoch x 2 epochs; a checkpoint every 5
+# steps, so step 15 is mid-epoch 1. The mlp has dropout: resuming must restore every rank's RNG streams too.
+COMMON = ["gpus=2", "model=mlp", "model.dropout=0.3", "epochs=2", "log_every_n_steps=2",
+          "checkpoint_every_n_steps=5", "seed=1"]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("reference")
+    run_ddpexp("launcher=spawn", *COMMON, "hydra.run.dir=ref", cwd=root)
+    return root / "ref"
+
+
+def assert_same_run(job: Path, reference: Path) -> None:
+    """Bit-equal weights, and the same metrics at the same steps, once each."""
+    import torch
+
+    ours, ref = load_weights(job), load_weights(reference)
+    assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "samples_per_s"} for r in rows]  # noqa: E731
+    assert strip(read_metrics(job)) == strip(read_metrics(reference))
+    assert read_summary(job)["final"] == read_summary(reference)["final"]
+
+
 def free_port_block(n: int) -> int:
     """A base port with `n` consecutive free ports (the test cluster's slurmctld + one slurmd per node)."""
     import socket

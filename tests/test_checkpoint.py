@@ -91,3 +91,21 @@ def test_truncated_or_foreign_files_are_refused_with_their_name(tmp_path: Path) 
         checkpoint.load(str(foreign))
     with pytest.raises(CheckpointError, match=r"no such file"):
         checkpoint.load(str(tmp_path / "missing.pt"))
+
+
+def test_resume_from_a_malicious_checkpoint_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """`resume=PATH` end to end: one line naming the file, exit 2, the payload never ran, no rank started."""
+    import subprocess
+    import sys
+
+    from conftest import ddpexp_env
+
+    evil, marker = tmp_path / "evil.pt", tmp_path / "pwned"
+    torch.save({"model": {}, "step": 1, "config": "", "x": Payload(marker)}, evil)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpexp", f"resume={evil}", "hydra.run.dir=job"],
+        cwd=tmp_path, env=ddpexp_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"ddpexp: error: checkpoint {evil}: refused, not a plain tensor checkpoint")
+    assert not marker.exists() and not (tmp_path / "job" / "logs").exists()

@@ -116,3 +116,44 @@ def test_slurm_refusals_are_one_clear_line(
     assert (
         proc.stderr.strip().splitlines()[-1] == f"ddpexp: error: {message}" or message in proc.stderr.splitlines()[-1]
     )
+
+
+def test_usr2_checkpoints_requeues_once_and_the_job_resumes_bit_equal(
+    tmp_path: Path, slurm: dict[str, str], reference: Path
+) -> None:
+    """`scancel --signal=USR2` (what Slurm sends before a time limit or preemption) on a running job."""
+    import sys
+
+    from conftest import COMMON, assert_same_run, ddpexp_env, read_metrics
+
+    job = tmp_path / "job"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpexp", *SLURM, *COMMON, "debug.step_delay_s=0.3", f"hydra.run.dir={job}"],
+        cwd=tmp_path, env={**ddpexp_env(), **slurm}, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (
+            (job / "metrics.jsonl").exists() and any(m["step"] >= 4 for m in read_metrics(job))
+        ):
+            time.sleep(0.3)
+        job_id = next((job / "submitit").glob("*_submitted.pkl")).name.split("_")[0]
+        subprocess.run(["scancel", "--signal=USR2", job_id], env=slurm, check=True)
+        # Slurm holds a requeued job ~2 min before it may start again; the test cluster lets it go at once.
+        while time.time() < deadline + 60 and scontrol_job(job_id, slurm).get("Restarts") != "1":
+            time.sleep(0.5)
+        while time.time() < deadline + 90 and scontrol_job(job_id, slurm)["JobState"] != "PENDING":
+            time.sleep(0.5)
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm, check=True)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out + err
+    info, summary = scontrol_job(job_id, slurm), read_summary(job)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1"
+    assert summary["status"] == "completed" and summary["restarts"] == 1 and summary["slurm"]["job_id"] == job_id
+    stopped = summary["resumed_from"]["step"]
+    assert 4 <= stopped < 24 and f"SIGUSR2: stopped at step {stopped}" in (job / "logs" / "rank0.log").read_text()
+    assert_same_run(job, reference)
+    runs = [read_offline_run(r) for r in find_offline_runs(job / "wandb")]
+    assert len(runs) == 2 and runs[0]["id"] == runs[1]["id"] == summary["wandb"]["id"]

@@ -95,6 +95,8 @@ def finish(job: Job, start: float) -> float | None:
         return None
     if summary.get("status") in ("interrupted", "requeued") or _signalled(summary):
         raise Interrupted(interrupted_message(job, summary))
+    if summary.get("status") != "completed":
+        raise RankFailure(summary.get("error", "?").rsplit("(", 1)[-1].rstrip(")"), summary.get("error", "no summary"))
     final = summary.get("final", {})
     metrics = " ".join(f"{k}={v:.4f}" for k, v in final.items())
     print(f"ddpexp: {summary.get('status', 'finished')} in {time.time() - start:.1f}s: {metrics} -> {job.dir}")

@@ -79,9 +79,8 @@ def main(cfg: Config, job: Job) -> None:
         summary.update(train(cfg, job, device, tracker, resume, stop))
         summary["status"] = "completed"
     except Interrupted as e:
-        summary.update(status="interrupted", signal=e.signal, steps=e.step, checkpoint=e.path)
-        if e.requeue and rank == 0:
-            summary["status"] = "requeued" if _requeue() else "interrupted"
+        requeue = e.requeue and rank == 0 and "SLURM_JOB_ID" in os.environ
+        summary.update(status="requeued" if requeue else "interrupted", signal=e.signal, steps=e.step, checkpoint=e.path)
         log.warning("%s: stopped at step %d, checkpoint %s", e.signal, e.step, e.path)
     except BaseException as e:
         log.exception("rank %d failed", rank)
@@ -93,6 +92,9 @@ def main(cfg: Config, job: Job) -> None:
         tracker.finish(summary)
         dist.destroy_process_group()
         stop.restore()
+        # Last: Slurm ends the job's processes when it requeues it, so the record and W&B are closed first.
+        if summary["status"] == "requeued" and not _requeue():
+            write_json(job.summary_path, {**summary, "status": "interrupted"})
         for h in handlers:
             logging.getLogger("ddpexp").removeHandler(h)
             h.close()

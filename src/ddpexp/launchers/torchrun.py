@@ -73,7 +73,9 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
         elastic_launch(config, _run_rank)(worker, cfg, job)
     except SignalException as e:
         # Ctrl-C/SIGTERM here: the agent passed it on to the ranks (they checkpoint and stop) and waited for
-        # them; the job's summary says where they stopped. A second signal would have ended the agent at once.
+        # them; the job's summary says where they stopped. A second signal interrupts that wait: exit at once.
+        if isinstance(e.__context__, SignalException):
+            raise KeyboardInterrupt from None
         logging.getLogger("ddpexp").warning("torchrun agent stopped by %s", e.sigval.name)
         return
     except ChildFailedError as e:
