@@ -12,7 +12,6 @@ import logging
 import os
 import platform
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -32,8 +31,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Subset
 
 from ddpexp import checkpoint, data
-from ddpexp.config import Config, ConfigError
-from ddpexp.faults import REQUEUE, StopSignals, detach_from_terminal, die_with_parent
+from ddpexp import resume as resume_mod
+from ddpexp.config import Config
+from ddpexp.faults import REQUEUE, DebugFaults, StopSignals, detach_from_terminal, die_with_parent
 from ddpexp.job import Job, write_json
 from ddpexp.optim import call_accepting
 from ddpexp.tracking import NullTracker, Tracker
@@ -63,7 +63,7 @@ def main(cfg: Config, job: Job) -> None:
     try:
         hosts: list[Any] = [None] * world_size
         dist.all_gather_object(hosts, (socket.gethostname(), hashlib.sha256(job.config_yaml.encode()).hexdigest()))
-        resume = _resume_state(cfg, job)
+        resume = resume_mod.load(cfg, job)
         if rank == 0:
             own = resume if resume is not None and resume["own"] else None  # resume=PATH: a new record, new W&B run
             tracker = Tracker(job, cfg.wandb, _config_dict(job), cfg.progress_bar, own)
@@ -80,7 +80,9 @@ def main(cfg: Config, job: Job) -> None:
         summary["status"] = "completed"
     except Interrupted as e:
         requeue = e.requeue and rank == 0 and "SLURM_JOB_ID" in os.environ
-        summary.update(status="requeued" if requeue else "interrupted", signal=e.signal, steps=e.step, checkpoint=e.path)
+        summary.update(
+            status="requeued" if requeue else "interrupted", signal=e.signal, steps=e.step, checkpoint=e.path
+        )
         log.warning("%s: stopped at step %d, checkpoint %s", e.signal, e.step, e.path)
     except BaseException as e:
         log.exception("rank %d failed", rank)
@@ -93,7 +95,7 @@ def main(cfg: Config, job: Job) -> None:
         dist.destroy_process_group()
         stop.restore()
         # Last: Slurm ends the job's processes when it requeues it, so the record and W&B are closed first.
-        if summary["status"] == "requeued" and not _requeue():
+        if summary["status"] == "requeued" and not resume_mod.requeue():
             write_json(job.summary_path, {**summary, "status": "interrupted"})
         for h in handlers:
             logging.getLogger("ddpexp").removeHandler(h)
@@ -106,6 +108,14 @@ class Interrupted(Exception):
     def __init__(self, signal: str, requeue: bool, step: int, path: str):
         super().__init__(f"{signal} at step {step}")
         self.signal, self.requeue, self.step, self.path = signal, requeue, step, path
+
+
+def _agree(group: Any, reason: int, exhausted: bool) -> tuple[int, bool]:
+    """Every rank learns, before each step, whether any rank was asked to stop or ran out of batches (uneven
+    shards): one tiny CPU all-reduce. Without it, a rank that stops alone leaves the others in a collective."""
+    flags = torch.tensor([reason, int(exhausted)], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return int(flags[0]), bool(flags[1])
 
 
 def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker, resume: dict | None, stop) -> dict:  # type: ignore[no-untyped-def]
@@ -171,10 +181,10 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker, res
         log.info(
             "rank %d resumed from %s: step %d, epoch %d, batch %d", rank, resume["path"], step, start_epoch, start_batch
         )
-    save = partial(_save_checkpoint, cfg, job, model, optimizer, scheduler, scaler, tracker)
+    save = partial(resume_mod.save, cfg, job, model, optimizer, scheduler, scaler, tracker)
     # The per-step agreement stays on the CPU, off the GPU's stream; new_group's default timeout is 30 min.
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.dist_timeout_s))
-    debug = Debug(cfg.debug, rank, resumed=resume is not None)
+    debug = DebugFaults(cfg.debug, rank, resumed=resume is not None)
 
     epoch = start_epoch
     for epoch in range(start_epoch, cfg.epochs):
@@ -227,77 +237,6 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker, res
     if cfg.debug.check_replicas:
         result["replicas"] = _compare_replicas(model)
     return result
-
-
-def _agree(group: Any, reason: int, exhausted: bool) -> tuple[int, bool]:
-    """Every rank learns, before each step, whether any rank was asked to stop or ran out of batches (uneven
-    shards): one tiny CPU all-reduce. Without it, a rank that stops alone leaves the others in a collective."""
-    flags = torch.tensor([reason, int(exhausted)], dtype=torch.int32)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    return int(flags[0]), bool(flags[1])
-
-
-class Debug:
-    """Test-only faults (`debug.*`), fired after an optimizer step; kill and hang only in a run not resumed."""
-
-    def __init__(self, cfg: Any, rank: int, resumed: bool):
-        self.cfg, self.mine, self.resumed = cfg, rank == cfg.fail_rank, resumed
-
-    def after_step(self, step: int) -> None:
-        if self.cfg.step_delay_s:
-            time.sleep(self.cfg.step_delay_s)
-        if not self.mine:
-            return
-        if self.cfg.fail_at_step == step:
-            raise RuntimeError(f"debug.fail_at_step={step}: rank {self.cfg.fail_rank} fails on purpose")
-        if self.cfg.kill_at_step == step and not self.resumed:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.cfg.hang_at_step == step and not self.resumed:
-            log.warning("debug.hang_at_step=%d: rank %d hangs on purpose", step, self.cfg.fail_rank)
-            while True:
-                time.sleep(3600)
-
-
-def _resume_state(cfg: Config, job: Job) -> dict[str, Any] | None:
-    """Rank 0 picks the checkpoint (this job's newest valid one, else `resume=PATH`) and tells the others."""
-    choice: list[str | None] = [None]
-    if dist.get_rank() == 0 and cfg.resume != "never":
-        choice[0] = checkpoint.find_latest(job.checkpoint_dir)
-        if choice[0] is None and cfg.resume != "auto":
-            choice[0] = checkpoint.resolve(cfg.resume)
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
-        return None
-    state = checkpoint.load(choice[0])
-    if state.get("world_size", dist.get_world_size()) != dist.get_world_size() and not cfg.resume_allow_config_change:
-        raise ConfigError(
-            f"resume: {choice[0]} was written by {state['world_size']} ranks, this job has {dist.get_world_size()}; "
-            "set resume_allow_config_change=true to continue anyway (from the next epoch)"
-        )
-    if state.get("world_size", dist.get_world_size()) != dist.get_world_size():
-        state.update(epoch=state["epoch"] + (state.get("batch_in_epoch", 0) > 0), batch_in_epoch=0)
-        state["rng"] = [state["rng"][0]] * dist.get_world_size()
-        state["loss_sum"] = [sum(state["loss_sum"]) / dist.get_world_size()] * dist.get_world_size()
-    if isinstance(state["rng"], dict):  # a checkpoint of rank 0's RNG only
-        state["rng"] = [state["rng"]] * dist.get_world_size()
-    state["path"] = choice[0]
-    state["own"] = os.path.dirname(os.path.abspath(choice[0])) == os.path.abspath(job.checkpoint_dir)
-    return state
-
-
-def _requeue() -> bool:
-    """Slurm: put this job back in the queue (same job id, same job dir: it resumes from the checkpoint)."""
-    job_id = os.environ.get("SLURM_ARRAY_JOB_ID", os.environ.get("SLURM_JOB_ID"))
-    if job_id and "SLURM_ARRAY_TASK_ID" in os.environ:
-        job_id = f"{job_id}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    if not job_id:
-        return False
-    done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
-    if done.returncode != 0:
-        log.error("scontrol requeue %s failed: %s", job_id, done.stderr.strip())
-        return False
-    log.warning("requeued Slurm job %s; it resumes from the checkpoint", job_id)
-    return True
 
 
 def _optimizer_step(cfg, step_model, ddp, optimizer, scaler, autocast, group) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -358,35 +297,6 @@ def evaluate(model, dataset, batch_size, device, autocast, memory_format=torch.c
     model.train(was_training)
     loss, correct, count = sums.tolist()
     return {"val/loss": loss / count, "val/acc": correct / count}
-
-
-def _save_checkpoint(
-    cfg, job, model, optimizer, scheduler, scaler, tracker, epoch, batch_in_epoch, step, loss_sum, last_log_step, final
-) -> str:  # type: ignore[no-untyped-def]
-    """Everything an exact resume needs: weights, optimizer/scheduler/scaler, the data position (epoch, batches
-    consumed in it), every rank's RNG states, the pending loss sum of the log interval, the config and W&B id."""
-    per_rank: list[Any] = [None] * dist.get_world_size()  # each rank's RNG streams and pending loss sum
-    dist.all_gather_object(per_rank, (checkpoint.rng_state(), loss_sum.detach().cpu().clone()))
-    if dist.get_rank() != 0:
-        return ""
-    state = {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-        "epoch": epoch,
-        "batch_in_epoch": batch_in_epoch,
-        "step": step,
-        "world_size": dist.get_world_size(),
-        "rng": [rng for rng, _ in per_rank],
-        "loss_sum": [loss for _, loss in per_rank],
-        "last_log_step": last_log_step,
-        "final": dict(final),
-        "config": job.config_yaml,
-        "config_sha256": hashlib.sha256(job.config_yaml.encode()).hexdigest(),
-        "wandb_id": getattr(tracker, "wandb_id", None),
-    }
-    return checkpoint.save(state, job.checkpoint_dir, step, cfg.keep_last_checkpoints)
 
 
 def _compare_replicas(model: torch.nn.Module) -> dict[str, Any]:
