@@ -157,3 +157,34 @@ def test_usr2_checkpoints_requeues_once_and_the_job_resumes_bit_equal(
     assert_same_run(job, reference)
     runs = [read_offline_run(r) for r in find_offline_runs(job / "wandb")]
     assert len(runs) == 2 and runs[0]["id"] == runs[1]["id"] == summary["wandb"]["id"]
+
+
+def test_ctrl_c_on_the_waiting_command_stops_the_job_at_a_checkpoint(tmp_path: Path, slurm: dict[str, str]) -> None:
+    import os
+    import signal
+    import sys
+
+    from conftest import COMMON, ddpexp_env, read_metrics
+
+    job = tmp_path / "job"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpexp", *SLURM, *COMMON, "debug.step_delay_s=0.3", f"hydra.run.dir={job}"],
+        cwd=tmp_path, env={**ddpexp_env(), **slurm}, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (
+            (job / "metrics.jsonl").exists() and any(m["step"] >= 4 for m in read_metrics(job))
+        ):
+            time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    summary = read_summary(job)
+    assert proc.returncode == 130 and summary["status"] == "interrupted", out + err
+    assert f"interrupted by SIGTERM at step {summary['steps']}" in err and "resume with: python -m ddpexp" in err
+    assert (job / "checkpoints" / "latest").read_text() == f"step-{summary['steps']:08d}.pt"
+    info = scontrol_job(summary["slurm"]["job_id"], slurm)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0"

@@ -57,8 +57,8 @@ def report(func: Callable[[], Any]) -> Any:
         print(f"ddpexp: {e}", file=sys.stderr)
         sys.exit(INTERRUPTED_EXIT)
     except KeyboardInterrupt:
-        print("ddpexp: interrupted again: ranks killed at once; `resume=auto` in the same dir continues from the "
-              "last checkpoint", file=sys.stderr)  # fmt: skip
+        print("ddpexp: interrupted again: ranks stopped at once; the same command with hydra.run.dir=<its job dir> "
+              "continues from the last checkpoint", file=sys.stderr)  # fmt: skip
         sys.exit(INTERRUPTED_EXIT)
     except Exception as e:
         if not is_config_error(e):

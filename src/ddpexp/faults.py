@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -64,11 +65,11 @@ class StopSignals:
 
 
 class forward_signals:  # noqa: N801 - used as a context manager
-    """In a parent that started ranks: the first SIGINT/SIGTERM is forwarded to them as SIGTERM (they checkpoint
-    and stop); a second one raises KeyboardInterrupt here, and PDEATHSIG takes the ranks down at once."""
+    """In a parent whose ranks run elsewhere (child processes, a Slurm job): the first SIGINT/SIGTERM calls
+    `forward` once (the ranks get SIGTERM, checkpoint and stop); a second one raises KeyboardInterrupt here."""
 
-    def __init__(self, pids: list[int]):
-        self.pids, self.received = pids, ""
+    def __init__(self, forward: Callable[[], None]):
+        self.forward, self.received = forward, ""
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.received:
@@ -76,11 +77,7 @@ class forward_signals:  # noqa: N801 - used as a context manager
             raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
         print(f"ddpexp: {self.received}: stopping at the next step boundary (again to exit at once)", file=sys.stderr)
-        for pid in self.pids:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        self.forward()
 
     def __enter__(self) -> forward_signals:
         self.previous = {}
@@ -93,6 +90,14 @@ class forward_signals:  # noqa: N801 - used as a context manager
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         self.previous = {}
+
+
+def terminate(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
 
 
 class DebugFaults:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -31,7 +33,8 @@ class SlurmConfig(LauncherConfig):
     job_name: str = "ddpexp"
     sbatch: dict[str, Any] = field(default_factory=dict)  # more #SBATCH options, e.g. {mail-type: END}
     setup: list[str] = field(default_factory=list)  # shell lines before the tasks start (module load ...)
-    signal_delay_s: int = 90  # Slurm sends USR2 this long before the time limit: the job checkpoints and requeues
+    signal: str = "USR2"  # sent `signal_delay_s` before the time limit (or on preemption): checkpoint, requeue
+    signal_delay_s: int = 90
     wait: bool = True  # follow rank 0's log until the job ends; false: print the job id and return
     poll_interval_s: float = 2.0
 
@@ -39,6 +42,10 @@ class SlurmConfig(LauncherConfig):
         check(self.nodes >= 1, f"launcher.nodes={self.nodes}: must be >= 1")
         check(self.time_min >= 1, f"launcher.time_min={self.time_min}: must be >= 1")
         check(self.cpus_per_task >= 1, f"launcher.cpus_per_task={self.cpus_per_task}: must be >= 1")
+        check(
+            hasattr(signal, f"SIG{self.signal}") and self.signal not in ("INT", "TERM", "KILL"),
+            f"launcher.signal={self.signal!r}: must be a signal name without SIG (USR2, USR1, ...), not INT/TERM/KILL",
+        )
 
 
 class SlurmTask:
@@ -52,9 +59,9 @@ class SlurmTask:
 
         # Every GPU of the node stays visible: each rank picks cuda:LOCAL_RANK, as under spawn and torchrun.
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-        # The worker takes submitit's preemption signal (USR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise) as
-        # "checkpoint, then scontrol requeue": the requeued job runs this again and resumes from the job dir.
-        os.environ["DDPEXP_REQUEUE_SIGNAL"] = os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")
+        # The worker takes this signal as "checkpoint, then scontrol requeue": the requeued job runs this again
+        # and resumes from the job dir. (It replaces submitit's own handler, which would requeue unsaved.)
+        os.environ["DDPEXP_REQUEUE_SIGNAL"] = self.cfg.launcher.signal
         self.worker(self.cfg, self.job)
 
 
@@ -74,7 +81,8 @@ def executor(cfg: Any, job: Any) -> Any:
     ex = submitit.SlurmExecutor(folder=os.path.join(job.dir, "submitit"), max_num_timeout=0)
     params = dict(nodes=lc.nodes, ntasks_per_node=cfg.gpus, cpus_per_task=lc.cpus_per_task, time=lc.time_min)
     params.update(signal_delay_s=lc.signal_delay_s)
-    params.update(job_name=lc.job_name, additional_parameters=dict(lc.sbatch), setup=list(lc.setup))
+    params["additional_parameters"] = {"signal": f"{lc.signal}@{lc.signal_delay_s}", **lc.sbatch}
+    params.update(job_name=lc.job_name, setup=list(lc.setup))
     params.update(
         {k: getattr(lc, k) for k in ("partition", "account", "qos", "constraint", "exclude") if getattr(lc, k)}
     )
@@ -109,6 +117,26 @@ class Waiter:
         self.sjob, self.poll_interval_s = sjob, poll_interval_s
 
     def wait(self) -> None:
+        from ddpexp.faults import forward_signals
+
+        try:
+            with forward_signals(lambda: self._scancel("--signal=TERM")):
+                self._follow()
+        except KeyboardInterrupt:
+            self._scancel()
+            raise
+        try:
+            self.sjob.results()
+        except Exception as e:  # submitit: FailedJobError / UncompletedJobError with the task's trace
+            state = self.sjob.get_info().get("State", self.sjob.state)
+            print(f"ddpexp: Slurm job {self.sjob.job_id} ended {state}; logs in {self.sjob.paths.folder}", flush=True)
+            raise RankFailure(f"task of Slurm job {self.sjob.job_id} ({state})", tail(str(e), 30)) from None
+
+    def _scancel(self, *args: str) -> None:
+        """Ctrl-C once: SIGTERM to the job's tasks (they checkpoint and stop); twice: cancel the job."""
+        subprocess.run(["scancel", *args, str(self.sjob.job_id)], capture_output=True)
+
+    def _follow(self) -> None:
         offset, slurm_done = 0, False
         while not slurm_done:
             # submitit calls a job done once its result file exists; Slurm may still be ending its steps.
@@ -116,12 +144,6 @@ class Waiter:
             offset = self._echo(offset)
             if not slurm_done:
                 time.sleep(self.poll_interval_s)
-        try:
-            self.sjob.results()
-        except Exception as e:  # submitit: FailedJobError / UncompletedJobError with the task's trace
-            state = self.sjob.get_info().get("State", self.sjob.state)
-            print(f"ddpexp: Slurm job {self.sjob.job_id} ended {state}; logs in {self.sjob.paths.folder}", flush=True)
-            raise RankFailure(f"task of Slurm job {self.sjob.job_id} ({state})", tail(str(e), 30)) from None
 
     def _echo(self, offset: int) -> int:
         path = self.sjob.paths.stdout

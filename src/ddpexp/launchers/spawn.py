@@ -6,10 +6,11 @@ import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from ddpexp.config import LauncherConfig
-from ddpexp.faults import forward_signals
+from ddpexp.faults import forward_signals, terminate
 from ddpexp.launchers import RankFailure, tail
 
 
@@ -57,7 +58,7 @@ def _start_and_join(mp: Any, n: int, args: tuple) -> None:
         ctx = mp.start_processes(_run_rank, args=args, nprocs=n, join=False, start_method="spawn")
     finally:
         signal.signal(signal.SIGINT, previous)
-    with forward_signals(ctx.pids()):
+    with forward_signals(partial(terminate, ctx.pids())):
         # A failed rank: the others get GRACE_S to fail on their own (gloo sees the peer go), then SIGTERM/SIGKILL.
         while not ctx.join(timeout=0.5, grace_period=GRACE_S):
             pass
