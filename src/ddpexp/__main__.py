@@ -51,6 +51,7 @@ def run_in_sweep(dcfg: Any) -> Any:
 def main() -> None:
     from ddpexp.config import register_configs
     from ddpexp.errors import install_error_reporting
+    from ddpexp.sweep import install_skip_completed
 
     if not os.path.isdir(CONF_DIR):
         sys.exit(
@@ -58,6 +59,7 @@ def main() -> None:
         )
     register_configs()
     install_error_reporting()
+    install_skip_completed()
     hydra.main(config_path=os.path.normpath(CONF_DIR), config_name="config", version_base="1.3")(_task)()
     if "ddpexp.run" in sys.modules:  # a multirun that submitted jobs to a scheduler: wait for them now
         FAILED.extend(sys.modules["ddpexp.run"].wait_deferred())

@@ -73,9 +73,13 @@ def _run_rank(local_rank: int, worker: Callable[..., None], cfg: Any, job: Any, 
 
 
 def _run_inline(worker: Callable[..., None], cfg: Any, job: Any, env: dict[str, str]) -> None:
+    import traceback
+
     saved = dict(os.environ)
     try:
         _run_rank(0, worker, cfg, job, env)
+    except Exception:  # the same report as a spawned rank's failure
+        raise RankFailure(0, tail(traceback.format_exc())) from None
     finally:
         os.environ.clear()
         os.environ.update(saved)

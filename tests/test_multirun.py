@@ -1,0 +1,61 @@
+"""Multiruns that meet failures and kills: the sweep goes on past a failed job and says so in its exit code; a
+sweep killed midway and run again finishes only the missing work, leaving completed jobs' files untouched."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ddpexp_env, read_summary, run_ddpexp
+
+pytestmark = pytest.mark.slow
+
+# One rank per job runs in the command's own process: four quick jobs in one Python.
+ONE_RANK = ["gpus=1", "max_steps=10", "log_every_n_steps=2", "checkpoint_every_n_steps=2", "wandb.mode=disabled"]
+
+
+def test_a_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_ddpexp(
+        "-m", *ONE_RANK, "debug.fail_at_step=3", "debug.fail_rank=0,1,2,3", f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path, check=False, timeout=180,
+    )  # fmt: skip
+    statuses = [read_summary(sweep / str(i))["status"] for i in range(4)]
+    assert statuses == ["failed", "completed", "completed", "completed"]
+    assert "debug.fail_at_step=3: rank 0 fails on purpose" in read_summary(sweep / "0")["error"]
+    assert proc.returncode == 1 and "ddpexp: 1 job(s) of the sweep failed:" in proc.stderr
+    assert f"{sweep / '0'}: rank 0 failed: RuntimeError: debug.fail_at_step=3" in proc.stderr
+
+
+def test_a_killed_sweep_run_again_finishes_only_the_missing_work(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    args = ["-m", *ONE_RANK, "seed=0,1,2,3", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpexp", *args, "debug.step_delay_s=0.2"], cwd=tmp_path, env=ddpexp_env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        marker = sweep / "2" / "checkpoints" / "latest"
+        deadline = time.time() + 120
+        while time.time() < deadline and not (marker.exists() and marker.read_text() >= "step-00000004.pt"):
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGKILL)  # job 2 midway, job 3 never started
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert [read_summary(sweep / str(i))["status"] for i in (0, 1)] == ["completed", "completed"]
+    assert not (sweep / "2" / "summary.json").exists() and not (sweep / "3").exists()
+    done = {p: p.stat().st_mtime_ns for i in (0, 1) for p in (sweep / str(i)).rglob("*")}
+
+    again = run_ddpexp(*args, "debug.step_delay_s=0.2", cwd=tmp_path, timeout=180)
+    assert again.stdout.count("already completed in") == 2
+    assert {p: p.stat().st_mtime_ns for i in (0, 1) for p in (sweep / str(i)).rglob("*")} == done
+    resumed = read_summary(sweep / "2")
+    assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] >= 4 and resumed["steps"] == 10
+    assert read_summary(sweep / "3")["status"] == "completed" and "resumed_from" not in read_summary(sweep / "3")
