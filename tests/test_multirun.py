@@ -59,3 +59,26 @@ def test_a_killed_sweep_run_again_finishes_only_the_missing_work(tmp_path: Path)
     resumed = read_summary(sweep / "2")
     assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] >= 4 and resumed["steps"] == 10
     assert read_summary(sweep / "3")["status"] == "completed" and "resumed_from" not in read_summary(sweep / "3")
+
+
+def test_ctrl_c_stops_the_whole_sweep_with_the_command_that_resumes_it(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddpexp", "-m", *ONE_RANK, "seed=0,1", "debug.step_delay_s=0.3",
+         f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=ddpexp_env(), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        metrics = sweep / "0" / "metrics.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert read_summary(sweep / "0")["status"] == "interrupted" and not (sweep / "1").exists()
+    assert (
+        f"resume with: python -m ddpexp -m {' '.join(ONE_RANK)} seed=0,1" in err and f"hydra.sweep.dir={sweep}" in err
+    )

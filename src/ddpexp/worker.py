@@ -186,7 +186,7 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker, res
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.dist_timeout_s))
     debug = DebugFaults(cfg.debug, rank, resumed=resume is not None)
 
-    epoch = start_epoch
+    epoch = start_epoch - 1  # epochs run = epoch + 1, also when a finished run is resumed
     for epoch in range(start_epoch, cfg.epochs):
         if step >= total_steps:
             break

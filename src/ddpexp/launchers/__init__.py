@@ -20,8 +20,11 @@ class RankFailure(RuntimeError):
         super().__init__(f"rank {rank} failed: {last}\n{self.detail}")
 
 
-class Interrupted(Exception):
-    """The job stopped on a signal after its ranks wrote a checkpoint; exit code 130, and how to resume."""
+class Interrupted(BaseException):
+    """The job stopped on a signal after its ranks wrote a checkpoint; exit code 130, and how to resume.
+
+    A BaseException, like KeyboardInterrupt: Hydra records an Exception as a failed job and starts the next one,
+    while a signal must stop the whole sweep."""
 
 
 def schema_name(name: str) -> str:
