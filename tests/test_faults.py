@@ -124,9 +124,10 @@ def test_ctrl_c_checkpoints_prints_how_to_resume_and_resuming_ends_bit_equal(
     assert_same_run(job, reference)
 
 
-def test_a_second_ctrl_c_exits_at_once_and_takes_the_ranks_down(tmp_path: Path) -> None:
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_a_second_ctrl_c_exits_at_once_and_takes_the_ranks_down(tmp_path: Path, launcher: str) -> None:
     job = tmp_path / "job"
-    proc = start(["launcher=torchrun", *COMMON, "debug.step_delay_s=5", f"hydra.run.dir={job}"], tmp_path)
+    proc = start([f"launcher={launcher}", *COMMON, "debug.step_delay_s=5", f"hydra.run.dir={job}"], tmp_path)
     try:
         wait_for_step(job, 2, proc)
         ranks = [pid for kid in children_of(proc.pid) for pid in [kid, *children_of(kid)]]
