@@ -139,7 +139,22 @@ BAD_INPUT = [
         "MNIST not found (missing MNIST/raw/train-images-idx3-ubyte); set data.download=true",
     ),
     (["data=cifar10", "data.root=empty", "data.download=true"], "could not download CIFAR10 to"),
+    (["checkpoint_every_n_steps=0"], "checkpoint_every_n_steps=0: must be >= 1 or null"),
+    (["resume=missing.pt"], "checkpoint missing.pt: no such file"),
+    (["launcher=slurm", "launcher.signal=TERM"], "launcher.signal='TERM': must be a signal name without SIG"),
 ]
+
+
+def test_config_drift_names_the_result_changing_keys_only() -> None:
+    from ddpexp.run import config_drift
+
+    old = {"model": {"_target_": "m", "hidden": [256]}, "data": {"root": "/a", "seed": 0}, "batch_size": 64,
+           "gpus": 2, "launcher": {"nnodes": "1"}, "epochs": 5, "wandb": {"mode": "offline"}}  # fmt: skip
+    new = {**old, "data": {"root": "/b", "seed": 0}, "epochs": 9, "wandb": {"mode": "disabled"}}
+    assert config_drift(old, new) == []  # dataset moved, trained longer, other tracking: the same run
+    new = {**new, "model": {"_target_": "m", "hidden": [128]}, "gpus": 4, "seed": 1}
+    assert config_drift(old, new) == ["model.hidden", "seed", "world_size"]
+    assert config_drift(old, {**old, "launcher": {"nnodes": "1:2"}}) == []  # elastic: the ranks check at start
 
 
 @pytest.mark.parametrize(("args", "message"), BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
