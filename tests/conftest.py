@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,24 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def start(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """As from a terminal: its own process group, which a Ctrl-C signals as a whole."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "ddpexp", *args], cwd=cwd, env={**ddpexp_env(), **(env or {})}, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+
+
+def wait_for_step(job: Path, step: int, proc: subprocess.Popen[str], timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        metrics = job / "metrics.jsonl"
+        if metrics.exists() and any(m["step"] >= step for m in read_metrics(job)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"never reached step {step}: {proc.communicate(timeout=30)}")
 
 
 # Small, quick runs on the real digits: 2 epochs of 12 steps at batch 64 per rank.

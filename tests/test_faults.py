@@ -10,8 +10,6 @@ import os
 import re
 import shlex
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,10 +21,11 @@ from conftest import (
     alive,
     assert_same_run,
     children_of,
-    ddpexp_env,
     read_metrics,
     read_summary,
     run_ddpexp,
+    start,
+    wait_for_step,
 )
 from wandb_offline import find_offline_runs, read_offline_run
 
@@ -77,24 +76,6 @@ def test_torchrun_restart_after_a_sigkilled_rank_ends_bit_equal(tmp_path: Path, 
     assert summary["status"] == "completed" and summary["restarts"] == 1
     assert summary["resumed_from"]["step"] == 15  # lost: 2 steps, less than one checkpoint interval
     assert_same_run(job, reference)
-
-
-def start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
-    """As from a terminal: its own process group, which a Ctrl-C signals as a whole."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "ddpexp", *args], cwd=cwd, env=ddpexp_env(), text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
-
-
-def wait_for_step(job: Path, step: int, proc: subprocess.Popen[str], timeout: float = 90) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        metrics = job / "metrics.jsonl"
-        if metrics.exists() and any(m["step"] >= step for m in read_metrics(job)):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"never reached step {step}: {proc.communicate(timeout=30)}")
 
 
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun"])

@@ -122,21 +122,13 @@ def test_usr2_checkpoints_requeues_once_and_the_job_resumes_bit_equal(
     tmp_path: Path, slurm: dict[str, str], reference: Path
 ) -> None:
     """`scancel --signal=USR2` (what Slurm sends before a time limit or preemption) on a running job."""
-    import sys
-
-    from conftest import COMMON, assert_same_run, ddpexp_env, read_metrics
+    from conftest import COMMON, assert_same_run, start, wait_for_step
 
     job = tmp_path / "job"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddpexp", *SLURM, *COMMON, "debug.step_delay_s=0.3", f"hydra.run.dir={job}"],
-        cwd=tmp_path, env={**ddpexp_env(), **slurm}, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+    proc = start([*SLURM, *COMMON, "debug.step_delay_s=0.3", f"hydra.run.dir={job}"], tmp_path, slurm)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and not (
-            (job / "metrics.jsonl").exists() and any(m["step"] >= 4 for m in read_metrics(job))
-        ):
-            time.sleep(0.3)
+        wait_for_step(job, 4, proc, timeout=120)
+        deadline = time.time()
         job_id = next((job / "submitit").glob("*_submitted.pkl")).name.split("_")[0]
         subprocess.run(["scancel", "--signal=USR2", job_id], env=slurm, check=True)
         # Slurm holds a requeued job ~2 min before it may start again; the test cluster lets it go at once.
@@ -162,22 +154,13 @@ def test_usr2_checkpoints_requeues_once_and_the_job_resumes_bit_equal(
 def test_ctrl_c_on_the_waiting_command_stops_the_job_at_a_checkpoint(tmp_path: Path, slurm: dict[str, str]) -> None:
     import os
     import signal
-    import sys
 
-    from conftest import COMMON, ddpexp_env, read_metrics
+    from conftest import COMMON, start, wait_for_step
 
     job = tmp_path / "job"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddpexp", *SLURM, *COMMON, "debug.step_delay_s=0.3", f"hydra.run.dir={job}"],
-        cwd=tmp_path, env={**ddpexp_env(), **slurm}, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True,
-    )  # fmt: skip
+    proc = start([*SLURM, *COMMON, "debug.step_delay_s=0.3", f"hydra.run.dir={job}"], tmp_path, slurm)
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline and not (
-            (job / "metrics.jsonl").exists() and any(m["step"] >= 4 for m in read_metrics(job))
-        ):
-            time.sleep(0.3)
+        wait_for_step(job, 4, proc, timeout=120)
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:

@@ -58,10 +58,15 @@ def _start_and_join(mp: Any, n: int, args: tuple) -> None:
         ctx = mp.start_processes(_run_rank, args=args, nprocs=n, join=False, start_method="spawn")
     finally:
         signal.signal(signal.SIGINT, previous)
-    with forward_signals(partial(terminate, ctx.pids())):
-        # A failed rank: the others get GRACE_S to fail on their own (gloo sees the peer go), then SIGTERM/SIGKILL.
-        while not ctx.join(timeout=0.5, grace_period=GRACE_S):
-            pass
+    try:
+        with forward_signals(partial(terminate, ctx.pids())):
+            # A failed rank: the others get GRACE_S to fail on their own (gloo sees the peer go), then SIGTERM/KILL.
+            while not ctx.join(timeout=0.5, grace_period=GRACE_S):
+                pass
+    except KeyboardInterrupt:  # a second Ctrl-C: at once (multiprocessing would join the ranks at exit)
+        for process in ctx.processes:
+            process.kill()
+        raise
 
 
 GRACE_S = 5.0
