@@ -28,11 +28,12 @@ FAILED: list[str] = []  # jobs of this multirun that failed, as "job_dir: error"
 
 def run_in_sweep(dcfg: Any) -> Any:
     """One job of a multirun: a failure is recorded and counted, and the sweep goes on (Hydra's basic sweeper
-    would stop it); NaN tells an Optuna sweeper the trial failed. A signal stops the whole sweep."""
+    would stop it); an Optuna sweeper records a failed trial. A signal stops the whole sweep."""
     from hydra.core.hydra_config import HydraConfig
 
     from ddpexp.errors import is_config_error, one_line
     from ddpexp.launchers import Interrupted, RankFailure
+    from ddpexp.objective import failed_trial
     from ddpexp.run import run
 
     try:
@@ -45,7 +46,7 @@ def run_in_sweep(dcfg: Any) -> Any:
         line = str(e).splitlines()[0] if isinstance(e, RankFailure) else one_line(e)
         FAILED.append(f"{HydraConfig.get().runtime.output_dir}: {line}")
         print(f"ddpexp: error: job {HydraConfig.get().job.num} failed: {line}", file=sys.stderr)
-        return float("nan")
+        return failed_trial()
 
 
 def main() -> None:
