@@ -1,4 +1,5 @@
-"""`python -m ddpexp [overrides]`: Hydra composes conf/, then run.run() launches the job (or each job of -m)."""
+"""`python -m ddpexp [overrides]`: Hydra composes conf/, then run.run() launches the job (or each job of -m).
+`python -m ddpexp report PATH...` tabulates finished jobs (ddpexp.report)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ def run_in_sweep(dcfg: Any) -> Any:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["report"]:  # `ddpexp report PATH...`: reads run records, composes no config
+        from ddpexp.report import main as report_main
+
+        sys.exit(report_main(sys.argv[2:]))
     from ddpexp.config import register_configs
     from ddpexp.errors import install_error_reporting
     from ddpexp.sweep import install_skip_completed
