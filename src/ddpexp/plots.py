@@ -94,6 +94,8 @@ def objective(path: str, r: dict[str, Any]) -> None:
     lo, hi = _value_range(values)
     for ax, key in zip(axes.flat, swept):
         xs, categories = _positions([j.overrides.get(key) for j in jobs])
+        if categories is not None:
+            xs = _spread(xs)
         if None in values:  # a grey band under the values holds the jobs without one, apart from them
             ax.set_ylim(lo - 0.3 * (hi - lo), hi + 0.08 * (hi - lo))
             ax.axhspan(lo - 0.3 * (hi - lo), lo - 0.12 * (hi - lo), color="0.92", zorder=0)
@@ -149,6 +151,17 @@ def _positions(raw: list[str | None]) -> tuple[list[float], list[str | None] | N
     present = sorted({v for v in raw if v is not None})
     categories: list[str | None] = [*present, *([None] if None in raw else [])]
     return [float(categories.index(v)) for v in raw], categories
+
+
+def _spread(xs: list[float]) -> list[float]:
+    """Jobs in the same category side by side, in job order (best first), instead of on top of each other."""
+    out, seen = [], {x: 0 for x in xs}
+    for x in xs:
+        n = xs.count(x)
+        step = min(0.07, 0.5 / n)
+        out.append(x + (seen[x] - (n - 1) / 2) * step)
+        seen[x] += 1
+    return out
 
 
 def fmt_int(n: float) -> str:
