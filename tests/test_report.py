@@ -153,6 +153,12 @@ def test_several_run_dirs_report_into_their_common_folder(sweep: Path, capsys: p
     assert [(r["job"], r["status"], r["optimizer.lr"]) for r in rows] == [("0", "completed", "0.001"),
                                                                            ("2", "failed", "0.1")]  # fmt: skip
     assert "model" not in rows[0]  # both cnn: not a swept column
+    report_main([str(sweep / "1"), "--out", str(sweep / "elsewhere")])
+    assert sorted(p.name for p in (sweep / "elsewhere").iterdir()) == ["report.csv", "report.md", "report_curves.png"]
+    with open(sweep / "elsewhere" / "report.csv", newline="") as f:  # one run: its overrides are the columns
+        assert [(r["job"], r["model"], r["optimizer.lr"], r["gpus"]) for r in csv.DictReader(f)] == [
+            ("1", "mlp", "0.01", "2")
+        ]
 
 
 @pytest.mark.parametrize(

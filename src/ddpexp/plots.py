@@ -20,7 +20,7 @@ def write_all(out_dir: str, r: dict[str, Any]) -> list[str]:
     if any(k in row for j in r["jobs"] for row in j.rows for k in CURVES):
         curves(os.path.join(out_dir, "report_curves.png"), r)
         written.append("report_curves.png")
-    if r["swept"]:
+    if r["swept"] and len(r["jobs"]) > 1:  # one job: nothing to compare
         objective(os.path.join(out_dir, "report_objective.png"), r)
         written.append("report_objective.png")
     return written

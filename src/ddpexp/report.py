@@ -251,7 +251,11 @@ def write_md(path: str, r: dict[str, Any], header: list[str], rows: list[list[st
 def main(argv: list[str]) -> int:
     from ddpexp import plots
 
-    parser = _Parser(prog="ddpexp report", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    parser = _Parser(
+        prog="ddpexp report",
+        description="Tabulate a sweep's jobs (or several runs) from their run records, best first; write report.md, "
+        "report.csv and PNG plots.",
+    )
     parser.add_argument("paths", nargs="+", metavar="PATH", help="a multirun dir, or several run dirs")
     parser.add_argument("--objective", help="metric to sort by (default: the jobs' `objective`, else val/acc)")
     parser.add_argument("--direction", choices=("maximize", "minimize"), help="default: the sweeper's, else by name")
@@ -268,10 +272,12 @@ def main(argv: list[str]) -> int:
     written = plots.write_all(out_dir, r)
     write_csv(os.path.join(out_dir, "report.csv"), r)
     write_md(os.path.join(out_dir, "report.md"), r, header, rows, written)
-    print("\n".join([*headline(r), "", text_table(header, rows)]))
-    for p in problems(r["jobs"]):
-        print(p)
-    print(f"ddpexp: wrote {', '.join(['report.md', 'report.csv', *written])} in {out_dir}")
+    lines = [*headline(r), "", text_table(header, rows), *problems(r["jobs"])]
+    lines.append(f"ddpexp: wrote {', '.join(['report.md', 'report.csv', *written])} in {out_dir}")
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:  # `ddpexp report DIR | head`: the files are written, the rest of the table unread
+        sys.stdout = open(os.devnull, "w")  # Python flushes stdout again at exit
     return 0
 
 
