@@ -139,7 +139,9 @@ def test_objective_direction_and_the_optuna_result(sweep: Path, capsys: pytest.C
     out = capsys.readouterr().out
     assert "objective val/acc (minimize)" in out and "best: job 10, val/acc=0.8" in out
     assert "optuna (optimization_results.yaml): best_value=0.95, model=mlp, optimizer.lr=0.01" in out
-    report_main([str(sweep), "--objective", "val/loss", "--direction", "minimize"])
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"sweeper": {"direction": "maximize"}}}))
+    report_main([str(sweep), "--objective", "val/loss"])  # the sweeper's direction is val/acc's: loss by its name
+    assert "objective val/loss (minimize)" in capsys.readouterr().out
     with open(sweep / "report.csv", newline="") as f:
         assert [r["job"] for r in csv.DictReader(f)][:3] == ["1", "0", "10"]  # lowest val/loss first
 

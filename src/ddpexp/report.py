@@ -195,8 +195,11 @@ def build(paths: list[str], objective: str | None, direction: str | None) -> dic
         out_dir = base = os.path.commonpath(job_dirs)
     jobs = [load_job(d, os.path.relpath(d, base) if d != base else os.path.basename(d)) for d in job_dirs]
     facts = sweep_facts(paths)
-    objective = objective or next((str(j.config["objective"]) for j in jobs if "objective" in j.config), "val/acc")
-    direction = direction or facts.get("direction") or ("minimize" if objective.endswith("loss") else "maximize")
+    own = next((str(j.config["objective"]) for j in jobs if "objective" in j.config), "val/acc")
+    objective = objective or own
+    if direction is None:  # the sweeper's direction is about the jobs' own objective, not another metric
+        swept_direction = facts.get("direction") if objective == own else None
+        direction = swept_direction or ("minimize" if objective.endswith("loss") else "maximize")
     jobs = sort_jobs(jobs, objective, direction == "maximize")
     seen = {k for j in jobs for k in j.final}
     metrics = [objective] + [m for m in (*METRICS, *sorted(seen)) if m in seen and m != objective]
