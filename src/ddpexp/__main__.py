@@ -1,4 +1,5 @@
-"""`python -m ddpexp [overrides]`: Hydra composes conf/, then run.run() launches the job (or each job of -m)."""
+"""`python -m ddpexp [overrides]`: Hydra composes conf/, then run.run() launches the job (or each job of -m).
+`python -m ddpexp report PATH...` tabulates finished jobs (ddpexp.report)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ FAILED: list[str] = []  # jobs of this multirun that failed, as "job_dir: error"
 
 def run_in_sweep(dcfg: Any) -> Any:
     """One job of a multirun: a failure is recorded and counted, and the sweep goes on (Hydra's basic sweeper
-    would stop it); NaN tells an Optuna sweeper the trial failed. A signal stops the whole sweep."""
+    would stop it); an Optuna sweeper records a failed trial. A signal stops the whole sweep."""
     from hydra.core.hydra_config import HydraConfig
 
     from ddpexp.errors import is_config_error, one_line
     from ddpexp.launchers import Interrupted, RankFailure
+    from ddpexp.objective import failed_trial
     from ddpexp.run import run
 
     try:
@@ -45,10 +47,14 @@ def run_in_sweep(dcfg: Any) -> Any:
         line = str(e).splitlines()[0] if isinstance(e, RankFailure) else one_line(e)
         FAILED.append(f"{HydraConfig.get().runtime.output_dir}: {line}")
         print(f"ddpexp: error: job {HydraConfig.get().job.num} failed: {line}", file=sys.stderr)
-        return float("nan")
+        return failed_trial()
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["report"]:  # `ddpexp report PATH...`: reads run records, composes no config
+        from ddpexp.report import main as report_main
+
+        sys.exit(report_main(sys.argv[2:]))
     from ddpexp.config import register_configs
     from ddpexp.errors import install_error_reporting
     from ddpexp.sweep import install_skip_completed

@@ -100,6 +100,7 @@ class Config:
     precision: str = "fp32"
     clip_grad_norm: float | None = None
     seed: int = 0
+    objective: str = "val/acc"  # the final metric a job returns to a sweeper (Optuna's study optimizes it)
     dist_timeout_s: float = 300.0  # a collective waiting longer than this fails the job instead of hanging it
     log_every_n_steps: int = 10
     eval_every_n_epochs: int = 1
@@ -118,6 +119,7 @@ class Config:
         check(self.gpus is None or self.gpus >= 1, f"gpus={self.gpus}: must be >= 1 (processes per node)")
         check_choice("device", self.device, DEVICES)
         check_choice("precision", self.precision, PRECISIONS)
+        check_choice("objective", self.objective, ("val/acc", "val/loss", "train/loss"))
         check(self.epochs >= 1, f"epochs={self.epochs}: must be >= 1")
         check(self.max_steps is None or self.max_steps >= 1, f"max_steps={self.max_steps}: must be >= 1 or null")
         check(self.batch_size >= 1, f"batch_size={self.batch_size}: must be >= 1 (per process)")

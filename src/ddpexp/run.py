@@ -21,6 +21,7 @@ from ddpexp import data
 from ddpexp.config import Config, ConfigError
 from ddpexp.job import Job, read_json, write_json
 from ddpexp.launchers import Interrupted, RankFailure, tail
+from ddpexp.objective import needs_each_value
 from ddpexp.plan import render as render_plan
 
 log = logging.getLogger("ddpexp")
@@ -57,7 +58,7 @@ def run(dcfg: DictConfig) -> float | None:
         raise
     if waiter is None:
         return finish(job, start)
-    if HydraConfig.get().mode == RunMode.MULTIRUN:
+    if HydraConfig.get().mode == RunMode.MULTIRUN and not needs_each_value(HydraConfig.get()):
         DEFERRED.append((job, waiter, start))  # submit every job of the sweep before waiting for any
         return None
     return wait(job, waiter, start)
@@ -100,7 +101,7 @@ def finish(job: Job, start: float) -> float | None:
     final = summary.get("final", {})
     metrics = " ".join(f"{k}={v:.4f}" for k, v in final.items())
     print(f"ddpexp: {summary.get('status', 'finished')} in {time.time() - start:.1f}s: {metrics} -> {job.dir}")
-    return final.get("val/acc")
+    return final.get(yaml.safe_load(job.config_yaml).get("objective", "val/acc"))
 
 
 def _signalled(summary: dict[str, Any]) -> bool:

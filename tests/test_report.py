@@ -1,0 +1,180 @@
+"""`ddpexp report` on run records written here, shaped as ddpexp writes them: a sweep whose jobs completed,
+failed, were interrupted, killed midway (no summary.json) or never started."""
+
+from __future__ import annotations
+
+import csv
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ddpexp_env
+from ddpexp.report import main as report_main
+
+# job -> (overrides, summary or None, val/acc per epoch); the metrics rows follow from them
+JOBS = {
+    "0": (["model=cnn", "optimizer.lr=0.001", "gpus=2"], "completed", [0.71, 0.90]),
+    "1": (["model=mlp", "optimizer.lr=0.01", "gpus=2"], "completed", [0.80, 0.95]),
+    "2": (["model=cnn", "optimizer.lr=0.1", "gpus=2"], "failed", []),
+    "3": (["model=mlp", "optimizer.lr=0.1", "gpus=2"], None, [0.50]),
+    "4": (["model=mlp", "optimizer.lr=0.0001", "gpus=2"], None, []),
+    "5": (["model=cnn", "optimizer.lr=0.01", "gpus=2"], "interrupted", [0.60]),
+    "10": (["model=mlp", "optimizer.lr=0.001", "gpus=2"], "completed", [0.40, 0.80]),
+}
+ERROR = "rank 1 failed: RuntimeError: debug.fail_at_step=3: rank 1 fails on purpose"
+STEPS = 12  # per epoch
+
+
+def write_job(job: Path, overrides: list[str], status: str | None, accs: list[float]) -> None:
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"objective": "val/acc", "gpus": 2, "seed": 0}))
+    rows = []
+    for epoch, acc in enumerate(accs):
+        for step in range(epoch * STEPS + 5, (epoch + 1) * STEPS + 1, 5):
+            rows.append({"step": step, "epoch": epoch, "train/loss": 2.3 * (1 - acc) + 0.01 * step / STEPS,
+                         "lr": 0.001, "samples_per_s": 9000.0})  # fmt: skip
+        rows.append({"step": (epoch + 1) * STEPS, "epoch": epoch, "val/loss": 2.0 * (1 - acc), "val/acc": acc})
+    if rows or status:
+        (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if status is None:
+        return
+    summary: dict = {"status": status, "launcher": "spawn", "world_size": 2, "device": "cpu", "wall_time_s": 8.25}
+    if status == "completed":
+        last = {k: v for r in rows for k, v in r.items() if k in ("train/loss", "val/loss", "val/acc")}
+        summary.update(final=last, steps=len(accs) * STEPS, epochs=len(accs))
+    elif status == "failed":
+        summary.update(error=ERROR, error_detail="Traceback (most recent call last):\n  ...")
+    else:
+        summary.update(signal="SIGTERM", steps=7, checkpoint=str(job / "checkpoints" / "step-00000007.pt"))
+    (job / "summary.json").write_text(json.dumps(summary, indent=2))
+
+
+@pytest.fixture
+def sweep(tmp_path: Path) -> Path:
+    sweep = tmp_path / "multirun" / "2026-12-02" / "10-00-00"
+    for name, (overrides, status, accs) in JOBS.items():
+        write_job(sweep / name, overrides, status, accs)
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"sweeper": {"max_batch_size": None}}}))
+    return sweep
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR", path
+    return struct.unpack(">II", data[16:24])
+
+
+def test_a_sweep_is_one_table_best_first_with_every_status(sweep: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert report_main([str(sweep)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("#  job"))
+    assert lines[header].split() == ["#", "job", "model", "optimizer.lr", "status", "val/acc", "val/loss",
+                                     "train/loss", "steps", "wall_s", "ranks"]  # fmt: skip
+    table = [line.split() for line in lines[header + 2 : header + 2 + len(JOBS)]]
+    # completed by val/acc (maximize), then the rest in job order (10 after 5, not after 1)
+    assert [(row[1], row[4]) for row in table] == [
+        ("1", "completed"), ("0", "completed"), ("10", "completed"),
+        ("2", "failed"), ("3", "incomplete"), ("4", "missing"), ("5", "interrupted"),
+    ]  # fmt: skip
+    assert table[0][:6] == ["1", "1", "mlp", "0.01", "completed", "0.95"]
+    counts = "3 completed, 1 failed, 1 incomplete, 1 missing, 1 interrupted"
+    assert f"7 job(s): {counts}; objective val/acc (maximize)" in out
+    assert "best: job 1, val/acc=0.95" in out and "same in every job: gpus=2" in out
+    assert f"job 2 (failed): {ERROR}" in out
+    assert "job 3 (incomplete): no summary.json: stopped after step 12" in out
+    for name in ("report.md", "report.csv", "report_curves.png", "report_objective.png"):
+        assert (sweep / name).stat().st_size > 0, name
+
+
+def test_csv_holds_full_values_and_errors(sweep: Path) -> None:
+    report_main([str(sweep)])
+    with open(sweep / "report.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["rank", "job", "dir", "model", "optimizer.lr", "status", "val/acc", "val/loss",
+                             "train/loss", "steps", "wall_time_s", "world_size", "error"]  # fmt: skip
+    assert [r["job"] for r in rows] == ["1", "0", "10", "2", "3", "4", "5"]
+    best = rows[0]
+    assert (best["rank"], best["dir"], best["model"], best["optimizer.lr"]) == ("1", str(sweep / "1"), "mlp", "0.01")
+    assert float(best["val/acc"]) == 0.95 and float(best["val/loss"]) == pytest.approx(0.1)
+    assert (best["steps"], best["wall_time_s"], best["world_size"], best["error"]) == ("24", "8.25", "2", "")
+    failed = rows[3]
+    assert (failed["status"], failed["error"], failed["val/acc"]) == ("failed", ERROR, "")
+    assert float(rows[4]["val/acc"]) == 0.5  # a killed job: the last value its metrics.jsonl saw
+    assert rows[5]["status"] == "missing" and rows[5]["val/acc"] == "" and rows[5]["steps"] == ""
+
+
+def test_markdown_has_the_table_the_failures_and_the_plots(sweep: Path) -> None:
+    report_main([str(sweep)])
+    md = (sweep / "report.md").read_text()
+    columns = ["#", "job", "model", "optimizer.lr", "status", "val/acc", "val/loss", "train/loss", "steps", "wall_s"]
+    assert "| " + " | ".join(columns) + " | ranks |" in md
+    assert "| 1 | 1 | mlp | 0.01 | completed | 0.95 | 0.1 |" in md
+    assert f"- job 2 (failed): {ERROR}" in md and "- job 5 (interrupted)" in md
+    assert "![curves](report_curves.png)" in md and "![val/acc vs each swept parameter](report_objective.png)" in md
+
+
+def test_plots_are_png_files_of_a_readable_size(sweep: Path) -> None:
+    import matplotlib.image
+
+    report_main([str(sweep)])
+    for name in ("report_curves.png", "report_objective.png"):
+        width, height = png_size(sweep / name)
+        assert width >= 800 and height >= 400, (name, width, height)
+        pixels = matplotlib.image.imread(sweep / name)
+        assert pixels.shape[:2] == (height, width) and pixels.std() > 0.05  # decodes, and is not blank
+
+
+def test_objective_direction_and_the_optuna_result(sweep: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    results = {"name": "optuna", "best_params": {"model": "mlp", "optimizer.lr": 0.01}, "best_value": 0.95}
+    (sweep / "optimization_results.yaml").write_text(yaml.safe_dump(results))
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"sweeper": {"direction": "minimize"}}}))
+    report_main([str(sweep)])
+    out = capsys.readouterr().out
+    assert "objective val/acc (minimize)" in out and "best: job 10, val/acc=0.8" in out
+    assert "optuna (optimization_results.yaml): best_value=0.95, model=mlp, optimizer.lr=0.01" in out
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"sweeper": {"direction": "maximize"}}}))
+    report_main([str(sweep), "--objective", "val/loss"])  # the sweeper's direction is val/acc's: loss by its name
+    assert "objective val/loss (minimize)" in capsys.readouterr().out
+    with open(sweep / "report.csv", newline="") as f:
+        assert [r["job"] for r in csv.DictReader(f)][:3] == ["1", "0", "10"]  # lowest val/loss first
+
+
+def test_several_run_dirs_report_into_their_common_folder(sweep: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report_main([str(sweep / "0"), str(sweep / "2")])
+    out = capsys.readouterr().out
+    assert f"in {sweep}" in out and (sweep / "report.csv").exists()
+    with open(sweep / "report.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["job"], r["status"], r["optimizer.lr"]) for r in rows] == [("0", "completed", "0.001"),
+                                                                           ("2", "failed", "0.1")]  # fmt: skip
+    assert "model" not in rows[0]  # both cnn: not a swept column
+    report_main([str(sweep / "1"), "--out", str(sweep / "elsewhere")])
+    assert sorted(p.name for p in (sweep / "elsewhere").iterdir()) == ["report.csv", "report.md", "report_curves.png"]
+    with open(sweep / "elsewhere" / "report.csv", newline="") as f:  # one run: its overrides are the columns
+        assert [(r["job"], r["model"], r["optimizer.lr"], r["gpus"]) for r in csv.DictReader(f)] == [
+            ("1", "mlp", "0.01", "2")
+        ]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["nowhere"], "ddpexp: error: nowhere: no such directory"),
+        (["."], "ddpexp: error: .: neither a job dir nor a multirun dir"),
+        ([], "ddpexp: error: report: the following arguments are required: PATH"),
+    ],
+)
+def test_bad_path_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpexp", "report", *args], cwd=tmp_path, env=ddpexp_env(),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.startswith(message) and len(proc.stderr.splitlines()) == 1, proc
+    assert proc.stdout == ""
