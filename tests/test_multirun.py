@@ -32,6 +32,13 @@ def test_a_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
     assert proc.returncode == 1 and "ddpexp: 1 job(s) of the sweep failed:" in proc.stderr
     assert f"{sweep / '0'}: rank 0 failed: RuntimeError: debug.fail_at_step=3" in proc.stderr
 
+    report = run_ddpexp("report", str(sweep), cwd=tmp_path)
+    assert "4 job(s): 3 completed, 1 failed" in report.stdout
+    rows = [r for r in map(str.split, report.stdout.splitlines()) if len(r) > 3 and r[0].isdigit() and r[1].isdigit()]
+    assert sorted(row[2] for row in rows) == ["0", "1", "2", "3"] and [r[3] for r in rows].count("failed") == 1
+    assert "job 0 (failed): rank 0 failed: RuntimeError: debug.fail_at_step=3" in report.stdout
+    assert (sweep / "report.csv").read_text().count("\n") == 5 and (sweep / "report_curves.png").stat().st_size
+
 
 def test_a_killed_sweep_run_again_finishes_only_the_missing_work(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"

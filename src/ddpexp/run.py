@@ -144,9 +144,9 @@ def check_resume(cfg: Config, job: Job) -> float | None:
         )
     summary = read_json(job.summary_path) or {}
     if own is not None and summary.get("status") == "completed" and saved == job.config_yaml:
-        final = summary.get("final", {})
-        print(f"ddpexp: {job.dir} already completed (val/acc={final.get('val/acc')}); nothing to do")
-        return final.get("val/acc")
+        value = summary.get("final", {}).get(cfg.objective)
+        print(f"ddpexp: {job.dir} already completed ({cfg.objective}={value}); nothing to do")
+        return value
     print(f"ddpexp: resuming from {source}", flush=True)
     return None
 
