@@ -129,7 +129,7 @@ BAD_INPUT = [
     (["epochs=abc"], "epochs=abc. Value 'abc' of type 'str' could not be converted to Integer"),
     (["gpus=0"], "gpus=0: must be >= 1"),
     (["batch_size=0"], "batch_size=0: must be >= 1"),
-    (["precision=fp8"], "precision='fp8': must be one of fp32, bf16, fp16"),
+    (["precision=fp8"], "precision='fp8': must be one of auto, fp32, bf16, fp16"),
     (["launcher.bogus=1"], "Key 'bogus' not in 'SpawnConfig'"),
     (["launcher=torchrun", "launcher.nnodes=2"], "launcher.nnodes=2: set launcher.rdzv_endpoint=HOST:PORT"),
     (["device=cuda"], "device=cuda: no CUDA GPU is visible here"),

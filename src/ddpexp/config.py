@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cuda", "cpu")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 
@@ -97,7 +97,7 @@ class Config:
     max_steps: int | None = None  # optimizer steps; stops before `epochs` when reached
     batch_size: int = 64  # per process
     grad_accum: int = 1
-    precision: str = "fp32"
+    precision: str = "auto"  # auto: bf16 autocast on a CUDA GPU that has bf16, else fp32 (bit-exact)
     clip_grad_norm: float | None = None
     seed: int = 0
     objective: str = "val/acc"  # the final metric a job returns to a sweeper (Optuna's study optimizes it)
@@ -111,7 +111,7 @@ class Config:
     keep_last_checkpoints: int = 2  # step-N.pt files kept beside last.pt
     num_workers: int = 0
     compile: bool = False
-    channels_last: bool = False
+    channels_last: bool | None = None  # null: on CUDA for models with 2-d convolutions
     plan: bool = False  # print what each rank would run (and the sbatch script), start nothing
     progress_bar: bool = True  # rank 0 only, and only when stderr is a terminal
 

@@ -89,7 +89,13 @@ class _SkippableIndices:
 
 
 def train_loader(splits: Splits, cfg: Any, rank: int, world_size: int, device: Any) -> Any:
-    """The TrainLoader for `cfg` (batch_size, seed, num_workers); every data path returns the same interface."""
+    """The loader for `cfg` (batch_size, seed, num_workers): the in-memory path when the train set is one tensor
+    (data=digits, or a torchvision set held in RAM), else a DataLoader. Both have the TrainLoader interface."""
+    from ddpexp.inmemory import InMemoryLoader, batchable
+
+    tensors = batchable(splits.train)
+    if tensors is not None:
+        return InMemoryLoader(tensors, cfg.batch_size, rank, world_size, cfg.seed, device)
     return TrainLoader(
         splits.train, cfg.batch_size, rank, world_size, cfg.seed,
         num_workers=cfg.num_workers, pin_memory=device.type == "cuda", persistent_workers=cfg.num_workers > 0,
@@ -111,17 +117,65 @@ def digits(val_fraction: float = 0.2, seed: int = 0) -> Splits:
     return Splits(tds(x[train], y[train]), tds(x[val], y[val]), num_classes=10, in_channels=1, image_size=8)
 
 
-def torchvision_dataset(name: str, root: str = "data", download: bool = False) -> Splits:
-    """MNIST, FashionMNIST or CIFAR10 through torchvision's own classes (ToTensor + Normalize per sample)."""
+def torchvision_dataset(
+    name: str,
+    root: str = "data",
+    download: bool = False,
+    in_memory: bool | None = None,
+    in_memory_max_mb: float = 4096,
+    crop_padding: int = 0,
+    hflip: bool = False,
+) -> Splits:
+    """MNIST, FashionMNIST or CIFAR10. In memory (in_memory=null: when the files take <= in_memory_max_mb): decoded
+    once to uint8 tensors, cached under root, normalized and augmented per batch. Otherwise torchvision's own
+    classes with per-sample transforms (RandomCrop/RandomHorizontalFlip, ToTensor, Normalize) for a DataLoader."""
     import torchvision
     from torchvision import transforms
 
     mean, std = _STATS[name]
-    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize(mean, std)])
-    cls = getattr(torchvision.datasets, name)
-    train, val = (cls(root, train=split, transform=tf, download=download) for split in (True, False))
     in_channels, image_size, num_classes = _SHAPES[name]
+    if fits_in_memory(name, root, in_memory, in_memory_max_mb):
+        from ddpexp.inmemory import TensorImages
+
+        train, val = (tensors(name, root, split) for split in (True, False))
+        return Splits(
+            TensorImages(*train, mean, std, crop_padding, hflip), TensorImages(*val, mean, std),
+            num_classes=num_classes, in_channels=in_channels, image_size=image_size,
+        )  # fmt: skip
+    tf = [transforms.ToTensor(), transforms.Normalize(mean, std)]
+    augment = [transforms.RandomCrop(image_size, padding=crop_padding)] if crop_padding else []
+    augment += [transforms.RandomHorizontalFlip()] if hflip else []
+    cls = getattr(torchvision.datasets, name)
+    train = cls(root, train=True, transform=transforms.Compose(augment + tf), download=download)
+    val = cls(root, train=False, transform=transforms.Compose(tf), download=download)
     return Splits(train, val, num_classes=num_classes, in_channels=in_channels, image_size=image_size)
+
+
+def _sources(name: str, root: str) -> list[str]:
+    folder, files = _TORCHVISION[name]
+    return [os.path.join(root, folder, f) for f in files]
+
+
+def fits_in_memory(name: str, root: str, in_memory: bool | None, max_mb: float) -> bool:
+    if in_memory is not None:
+        return in_memory
+    return sum(os.path.getsize(p) for p in _sources(name, root) if os.path.exists(p)) <= max_mb * 2**20
+
+
+def tensors(name: str, root: str, train: bool) -> tuple[Any, Any]:
+    """(uint8 images [N, C, H, W], int64 labels) of one split, decoded by torchvision's class once, then cached."""
+    from ddpexp.inmemory import cached
+
+    def decode() -> tuple[Any, Any]:
+        import torch
+        import torchvision
+
+        ds = getattr(torchvision.datasets, name)(root, train=train)
+        images = torch.as_tensor(ds.data)
+        images = images.unsqueeze(1) if images.dim() == 3 else images.permute(0, 3, 1, 2)  # CIFAR: N, H, W, C
+        return images.contiguous(), torch.as_tensor(ds.targets, dtype=torch.long)
+
+    return cached(name, root, "train" if train else "test", decode, _sources(name, root))
 
 
 def fake(
@@ -138,22 +192,30 @@ def fake(
 
 
 def prepare(data_cfg: dict) -> None:
-    """In the parent, before ranks start: download a torchvision dataset if asked, else check its files."""
+    """In the parent, before ranks start: download a torchvision dataset if asked, else check its files; then
+    build the in-memory cache if that path applies."""
     if data_cfg.get("_target_") != f"{__name__}.torchvision_dataset":
         return
     name, root = data_cfg["name"], os.path.abspath(data_cfg.get("root", "data"))
     if name not in _TORCHVISION:
         raise ConfigError(f"data.name={name!r}: must be one of {', '.join(_TORCHVISION)}")
+    padding, max_mb = data_cfg.get("crop_padding", 0), data_cfg.get("in_memory_max_mb", 4096)
+    if not isinstance(padding, int) or padding < 0:
+        raise ConfigError(f"data.crop_padding={padding!r}: must be an int >= 0 (0: no random crop)")
+    if not isinstance(max_mb, (int, float)) or max_mb <= 0:
+        raise ConfigError(f"data.in_memory_max_mb={max_mb!r}: must be > 0")
     folder, files = _TORCHVISION[name]
     missing = [f for f in files if not os.path.exists(os.path.join(root, folder, f))]
-    if not missing:
-        return
-    if not data_cfg.get("download", False):
+    if missing and not data_cfg.get("download", False):
         raise ConfigError(
             f"data.root={root}: {name} not found (missing {os.path.join(folder, missing[0])}); "
             f"set data.download=true, or put the files there"
         )
-    try:
-        torchvision_dataset(name, root, download=True)
-    except Exception as e:  # torchvision raises URLError, HTTPError or RuntimeError depending on the mirror
-        raise ConfigError(f"data.download=true: could not download {name} to {root} ({e}); no network?") from e
+    if missing:
+        try:
+            torchvision_dataset(name, root, download=True, in_memory=False)
+        except Exception as e:  # torchvision raises URLError, HTTPError or RuntimeError depending on the mirror
+            raise ConfigError(f"data.download=true: could not download {name} to {root} ({e}); no network?") from e
+    if fits_in_memory(name, root, data_cfg.get("in_memory"), max_mb):
+        for train in (True, False):  # decoded and cached once here, not by every rank at once
+            tensors(name, root, train)

@@ -21,6 +21,19 @@ def cosine(optimizer: Any, total_steps: int, warmup_steps: int = 0, min_lr_ratio
     return LambdaLR(optimizer, factor)
 
 
+def build_optimizer(factory: Callable[..., Any], params: Any, device: Any) -> Any:
+    """`optimizer=`'s partial called on the parameters, with torch's fused kernels on CUDA (one launch for all
+    parameters) unless the config already chose `fused` or `foreach`."""
+    return factory(params, **fused_kwargs(factory, device))
+
+
+def fused_kwargs(factory: Callable[..., Any], device: Any) -> dict[str, bool]:
+    keywords = getattr(factory, "keywords", {})
+    accepts = "fused" in inspect.signature(getattr(factory, "func", factory)).parameters
+    chosen = "fused" in keywords or "foreach" in keywords
+    return {"fused": True} if device.type == "cuda" and accepts and not chosen else {}
+
+
 def call_accepting(fn: Callable[..., Any], *args: Any, **runtime: Any) -> Any:
     """Call `fn` with the runtime keywords its signature takes (all of them if it has **kwargs).
 

@@ -28,14 +28,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.utils import instantiate
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Subset
 
 from ddpexp import checkpoint, data
 from ddpexp import resume as resume_mod
 from ddpexp.config import Config
 from ddpexp.faults import REQUEUE, DebugFaults, StopSignals, detach_from_terminal, die_with_parent
+from ddpexp.inmemory import eval_batches
 from ddpexp.job import Job, write_json
-from ddpexp.optim import call_accepting
+from ddpexp.optim import build_optimizer, call_accepting
 from ddpexp.tracking import NullTracker, Tracker
 
 log = logging.getLogger("ddpexp")
@@ -129,7 +129,8 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker, res
         instantiate(cfg.model, _partial_=True),
         num_classes=splits.num_classes, in_channels=splits.in_channels, image_size=splits.image_size,
     ).to(device)  # fmt: skip
-    memory_format = torch.channels_last if cfg.channels_last else torch.contiguous_format
+    precision, channels_last = speed_defaults(cfg, device, model)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
     model = model.to(memory_format=memory_format)
     if cfg.ddp.sync_batchnorm:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -153,13 +154,13 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker, res
         n_batches = None
     steps_per_epoch = -(-n_batches // cfg.grad_accum) if n_batches is not None else None
     total_steps = min(cfg.max_steps or sys.maxsize, cfg.epochs * (steps_per_epoch or sys.maxsize))
-    optimizer = instantiate(cfg.optimizer)(ddp.parameters())
+    optimizer = build_optimizer(instantiate(cfg.optimizer), ddp.parameters(), device)
     scheduler = (
         call_accepting(instantiate(cfg.scheduler), optimizer, total_steps=total_steps) if cfg.scheduler else None
     )
-    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     autocast = torch.autocast(
-        device.type, dtype=torch.bfloat16 if cfg.precision == "bf16" else torch.float16, enabled=cfg.precision != "fp32"
+        device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16, enabled=precision != "fp32"
     )
     log.info(
         "rank %d/%d on %s: %d train / %d val samples, %s steps/epoch, %d steps",
@@ -207,9 +208,6 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker, res
                 for x, y in itertools.islice(batches, cfg.grad_accum)
             ]
             reason, exhausted = _agree(control, stop.reason, not group)
-            if reason:
-                path = save(epoch, consumed, step, loss_sum, last_log[1], final)
-                raise Interrupted(stop.signame or "a rank's stop signal", reason == REQUEUE, step, path)
             if exhausted:
                 break
             consumed += len(group)
@@ -224,6 +222,9 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker, res
             if step % cfg.log_every_n_steps == 0 or step == total_steps:
                 final["train/loss"], last_log = _log_train(cfg, tracker, optimizer, loss_sum, step, epoch, last_log)
                 loss_sum.zero_()
+            if reason:  # after the step of the batches already drawn (augmentation draws RNG): a resume redoes none
+                path = save(epoch, consumed, step, loss_sum, last_log[1], final)
+                raise Interrupted(stop.signame or "a rank's stop signal", reason == REQUEUE, step, path)
             if cfg.checkpoint_every_n_steps and step % cfg.checkpoint_every_n_steps == 0 and step < total_steps:
                 save(epoch, consumed, step, loss_sum, last_log[1], final)
         last_epoch = step >= total_steps or epoch == cfg.epochs - 1
@@ -238,6 +239,7 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker, res
             save(epoch + 1, 0, step, loss_sum, last_log[1], final)
 
     result: dict[str, Any] = {"final": final, "steps": step, "epochs": epoch + 1, "val_samples": len(splits.val)}
+    result.update(data_path=type(loader).__name__, precision=precision, channels_last=channels_last)
     result["first_step_at"] = first_step_at  # unix time the first optimizer step of this attempt ended
     if cfg.debug.check_replicas:
         result["replicas"] = _compare_replicas(model)
@@ -289,9 +291,8 @@ def evaluate(model, dataset, batch_size, device, autocast, memory_format=torch.c
     rank, world_size = dist.get_rank(), dist.get_world_size()
     was_training = model.training
     model.eval()
-    shard = Subset(dataset, range(rank, len(dataset), world_size))
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    for x, y in DataLoader(shard, batch_size):
+    for x, y in eval_batches(dataset, rank, world_size, batch_size, device):
         x, y = x.to(device, memory_format=memory_format), y.to(device)
         with autocast:
             out = model(x)
@@ -311,6 +312,19 @@ def _compare_replicas(model: torch.nn.Module) -> dict[str, Any]:
     dist.all_gather(gathered, flat)
     diff = max((g - gathered[0]).abs().max().item() for g in gathered)
     return {"identical": diff == 0.0, "max_abs_diff": diff, "numel": flat.numel()}
+
+
+def speed_defaults(cfg: Config, device: torch.device, model: torch.nn.Module) -> tuple[str, bool]:
+    """precision=auto and channels_last=null resolved: bf16 autocast and channels_last convolutions on a GPU
+    (tensor cores want both), plain fp32 on a CPU, so a CPU run is bit-equal to a hand-written fp32 loop."""
+    cuda = device.type == "cuda"
+    precision = cfg.precision
+    if precision == "auto":
+        precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "fp32"
+    channels_last = cfg.channels_last
+    if channels_last is None:
+        channels_last = cuda and any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    return precision, channels_last
 
 
 def _device(cfg: Config, local_rank: int) -> torch.device:

@@ -1,0 +1,154 @@
+"""The in-memory data path: a dataset that fits in RAM is decoded once into one uint8 tensor (cached as a .pt file
+under data.root), kept whole on the training device, sharded in DistributedSampler's order and batched by index
+slicing, with augmentation (random crop with padding, flip) done per batch on the device."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset, DistributedSampler, TensorDataset
+
+CACHE_DIR = "ddpexp-cache"
+CACHE_VERSION = 1  # bump when the cached layout changes: older files are rebuilt
+
+
+class TensorImages(Dataset):
+    """Images as one uint8 tensor [N, C, H, W] and int64 labels, normalized when read.
+
+    `batch(idx)` gives a whole batch by index slicing; `[i]` one sample, so DataLoader, Subset and a user's own
+    code still work. The float values are bit-equal to torchvision's ToTensor + Normalize of the same pixels."""
+
+    def __init__(
+        self, images: torch.Tensor, labels: torch.Tensor, mean: tuple, std: tuple, crop_padding: int = 0, hflip=False
+    ):
+        self.images, self.labels = images, labels
+        self.mean = torch.as_tensor(mean, dtype=torch.float32, device=images.device).view(-1, 1, 1)
+        self.std = torch.as_tensor(std, dtype=torch.float32, device=images.device).view(-1, 1, 1)
+        self.crop_padding, self.hflip = crop_padding, hflip
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        x, y = self.batch(torch.tensor([i]))
+        return x[0], int(y[0])
+
+    def to(self, device: torch.device) -> TensorImages:
+        moved = TensorImages(self.images.to(device), self.labels.to(device), (), (), self.crop_padding, self.hflip)
+        moved.mean, moved.std = self.mean.to(device), self.std.to(device)
+        return moved
+
+    def batch(self, idx: torch.Tensor, train: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        pixels = self.images[idx]
+        if train:
+            pixels = augment(pixels, self.crop_padding, self.hflip)
+        # ToTensor's `float().div(255)`, then Normalize's `sub_(mean).div_(std)`: the same ops, element by element.
+        return pixels.float().div(255).sub(self.mean).div(self.std), self.labels[idx]
+
+
+class _Tensors:
+    """A TensorDataset (e.g. data=digits) seen through the same `batch(idx)` / `to(device)` interface."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...]):
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors[0])
+
+    def to(self, device: torch.device) -> _Tensors:
+        return _Tensors(tuple(t.to(device) for t in self.tensors))
+
+    def batch(self, idx: torch.Tensor, train: bool = False) -> tuple[torch.Tensor, ...]:
+        return tuple(t[idx] for t in self.tensors)
+
+
+def batchable(dataset: Any) -> Any | None:
+    """The dataset as something with `batch(idx)`, or None when it must go through a DataLoader."""
+    if isinstance(dataset, TensorDataset):
+        return _Tensors(dataset.tensors)
+    return dataset if hasattr(dataset, "batch") and hasattr(dataset, "to") else None
+
+
+def augment(pixels: torch.Tensor, crop_padding: int, hflip: bool) -> torch.Tensor:
+    """torchvision's RandomCrop(size, padding, fill=0) and RandomHorizontalFlip, for a whole batch at once."""
+    n, _, h, w = pixels.shape
+    if crop_padding:
+        p = crop_padding
+        padded = F.pad(pixels, (p, p, p, p))
+        dy = torch.randint(0, 2 * p + 1, (n, 1), device=pixels.device)
+        dx = torch.randint(0, 2 * p + 1, (n, 1), device=pixels.device)
+        rows = (dy + torch.arange(h, device=pixels.device))[:, None, :, None]  # n, 1, h, 1
+        cols = (dx + torch.arange(w, device=pixels.device))[:, None, None, :]  # n, 1, 1, w
+        batch = torch.arange(n, device=pixels.device)[:, None, None, None]
+        channels = torch.arange(pixels.shape[1], device=pixels.device)[None, :, None, None]
+        pixels = padded[batch, channels, rows, cols]
+    if hflip:
+        flip = torch.rand(n, device=pixels.device) < 0.5
+        pixels = torch.where(flip[:, None, None, None], pixels.flip(3), pixels)
+    return pixels
+
+
+class InMemoryLoader:
+    """The TrainLoader interface (set_epoch, len, iter) over a batchable dataset held on `device`.
+
+    Index order and padding are DistributedSampler's (the same epochs as the DataLoader path, sample for sample);
+    starting at batch k just slices from k * batch_size."""
+
+    def __init__(self, dataset: Any, batch_size: int, rank: int, world_size: int, seed: int, device: torch.device):
+        self.data = dataset.to(device)
+        self.device, self.batch_size, self.start_batch = device, batch_size, 0
+        self.sampler = DistributedSampler(self.data, world_size, rank, shuffle=True, seed=seed)  # type: ignore[arg-type]
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.sampler.set_epoch(epoch)
+        self.start_batch = start_batch
+
+    def __len__(self) -> int:
+        return -(-len(self.sampler) // self.batch_size)
+
+    def __iter__(self) -> Iterator[Any]:
+        order = torch.tensor(list(self.sampler), device=self.device)
+        for start in range(self.start_batch * self.batch_size, len(order), self.batch_size):
+            yield self.data.batch(order[start : start + self.batch_size], train=True)
+
+
+def eval_batches(dataset: Any, rank: int, world_size: int, batch_size: int, device: torch.device) -> Iterator[Any]:
+    """Rank r's share of an exact evaluation, samples r, r + N, ...: by slicing when the set is batchable."""
+    from torch.utils.data import DataLoader, Subset
+
+    data = batchable(dataset)
+    if data is None:
+        yield from DataLoader(Subset(dataset, range(rank, len(dataset), world_size)), batch_size)
+        return
+    data = data.to(device)
+    mine = torch.arange(rank, len(data), world_size, device=device)
+    for start in range(0, len(mine), batch_size):
+        yield data.batch(mine[start : start + batch_size])
+
+
+def cached(name: str, root: str, split: str, decode: Any, sources: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(images, labels) of one split, from root/ddpexp-cache/NAME-SPLIT.pt when it was made from these very
+    source files (sizes and mtimes), else decoded with `decode()` and written there atomically."""
+    path = os.path.join(root, CACHE_DIR, f"{name}-{split}.pt")
+    stamp = fingerprint(sources)
+    try:
+        state = torch.load(path, weights_only=True)
+        if state.get("fingerprint") == stamp:
+            return state["images"], state["labels"]
+    except Exception:  # missing, truncated, foreign or refused by weights_only: it is only a cache, decode again
+        pass
+    images, labels = decode()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    torch.save({"fingerprint": stamp, "images": images, "labels": labels}, tmp)
+    os.replace(tmp, path)  # concurrent jobs may both decode; each replace is whole
+    return images, labels
+
+
+def fingerprint(sources: list[str]) -> str:
+    stats = [(os.path.basename(p), os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in sorted(sources)]
+    return f"v{CACHE_VERSION}:{stats}"
