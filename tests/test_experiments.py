@@ -25,7 +25,7 @@ PRESETS = {
     "cifar10_resnet18": (
         ["data=fake", "data.in_channels=3", "data.image_size=32", "data.train_size=64", "data.val_size=32"],
         (64, 3, 3, 3),
-        {"model.arch": "resnet18", "optimizer.nesterov": True, "scheduler.warmup_steps": 200},
+        {"model.arch": "resnet18", "optimizer.nesterov": True, "scheduler.warmup_steps": 200, "data.crop_padding": 4},
     ),
 }
 

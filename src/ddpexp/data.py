@@ -179,14 +179,22 @@ def tensors(name: str, root: str, train: bool) -> tuple[Any, Any]:
 
 
 def fake(
-    train_size: int = 1000, val_size: int = 200, image_size: int = 28, in_channels: int = 1, num_classes: int = 10
+    train_size: int = 1000,
+    val_size: int = 200,
+    image_size: int = 28,
+    in_channels: int = 1,
+    num_classes: int = 10,
+    crop_padding: int = 0,
+    hflip: bool = False,
 ) -> Splits:
-    """torchvision FakeData: random images, for smoke tests and throughput checks."""
+    """torchvision FakeData: random images, for smoke tests and throughput checks (augmentation keys as above)."""
     from torchvision import datasets, transforms
 
     shape = (in_channels, image_size, image_size)
+    augment = [transforms.RandomCrop(image_size, padding=crop_padding)] if crop_padding else []
+    augment += [transforms.RandomHorizontalFlip()] if hflip else []
     tf = transforms.ToTensor()
-    train = datasets.FakeData(train_size, shape, num_classes, transform=tf, random_offset=0)
+    train = datasets.FakeData(train_size, shape, num_classes, transforms.Compose([*augment, tf]), random_offset=0)
     val = datasets.FakeData(val_size, shape, num_classes, transform=tf, random_offset=train_size)
     return Splits(train, val, num_classes=num_classes, in_channels=in_channels, image_size=image_size)
 
