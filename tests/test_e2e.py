@@ -184,6 +184,38 @@ def test_wandb_online_without_network_falls_back_to_offline(tmp_path: Path) -> N
     assert read_offline_run(Path(summary["wandb"]["dir"]))["summary"]["val/acc"] == summary["final"]["val/acc"]
 
 
+_SERVICE_DIES = """
+import json, os, signal, sys, time
+from ddpexp.config import WandbConfig
+from ddpexp.job import Job
+from ddpexp.tracking import Tracker
+
+job = Job(dir=sys.argv[1], name="n", group=None, launcher="spawn", config_yaml="a: 1\\n")
+tracker = Tracker(job, WandbConfig(mode="offline"), {"a": 1}, progress_bar=False)
+tracker.log({"train/loss": 1.0}, step=1, epoch=0)
+for pid in os.listdir("/proc"):  # wandb-core, as a job's SIGTERM to all its processes would end it
+    if pid.isdigit() and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getpid()):
+        os.kill(int(pid), signal.SIGTERM)
+time.sleep(1)
+for step in range(2, 6):
+    tracker.log({"train/loss": 1.0 / step}, step=step, epoch=0)
+tracker.finish({"status": "completed"})
+"""
+
+
+def test_a_dying_wandb_service_leaves_training_and_the_local_record_intact(tmp_path: Path) -> None:
+    """Slurm's scancel signals every process of a step, W&B's service too: the loop must not die with it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _SERVICE_DIES, str(tmp_path)],
+        env=ddpexp_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("W&B failed (ConnectionResetError") == 1 and "Traceback" not in proc.stderr
+    assert [m["step"] for m in read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
+    summary = read_summary(tmp_path)
+    assert summary["status"] == "completed" and summary["wandb"]["failed"].startswith("ConnectionResetError")
+
+
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
 def test_no_rank_outlives_a_sigkilled_command(tmp_path: Path, launcher: str) -> None:
     """SIGKILL of `python -m ddpexp`, started with SIGINT ignored (as `cmd &` in a script): ranks die too."""

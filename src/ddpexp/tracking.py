@@ -44,7 +44,20 @@ class Tracker(NullTracker):
     def log(self, metrics: dict[str, float], step: int, epoch: int) -> None:
         self.metrics.write(json.dumps({"step": step, "epoch": epoch, **metrics}) + "\n")
         if self.run is not None and step > self.logged_until:
-            self.run.log({**metrics, "epoch": epoch}, step=step)
+            try:
+                self.run.log({**metrics, "epoch": epoch}, step=step)
+            except Exception as e:  # e.g. its service got the job's SIGTERM: the local record goes on alone
+                self._lost(e)
+
+    def _lost(self, e: Exception) -> None:
+        log.warning("W&B failed (%s: %s); metrics go on to %s only", type(e).__name__, e, self.job.metrics_path)
+        self.run, self.wandb_info = None, {**self.wandb_info, "failed": f"{type(e).__name__}: {e}"}
+        try:  # let go of the dead service now, not in a noisy atexit hook
+            import wandb
+
+            wandb.teardown()
+        except Exception:
+            pass
 
     def progress(self, text: str) -> None:
         if self.tty:
