@@ -129,12 +129,9 @@ def torchvision_dataset(
     """MNIST, FashionMNIST or CIFAR10. In memory (in_memory=null: when the files take <= in_memory_max_mb): decoded
     once to uint8 tensors, cached under root, normalized and augmented per batch. Otherwise torchvision's own
     classes with per-sample transforms (RandomCrop/RandomHorizontalFlip, ToTensor, Normalize) for a DataLoader."""
-    import torchvision
-    from torchvision import transforms
-
     mean, std = _STATS[name]
     in_channels, image_size, num_classes = _SHAPES[name]
-    if fits_in_memory(name, root, in_memory, in_memory_max_mb):
+    if fits_in_memory(name, root, in_memory, in_memory_max_mb):  # from the cache: no torchvision import (~4 s)
         from ddpexp.inmemory import TensorImages
 
         train, val = (tensors(name, root, split) for split in (True, False))
@@ -142,6 +139,9 @@ def torchvision_dataset(
             TensorImages(*train, mean, std, crop_padding, hflip), TensorImages(*val, mean, std),
             num_classes=num_classes, in_channels=in_channels, image_size=image_size,
         )  # fmt: skip
+    import torchvision
+    from torchvision import transforms
+
     tf = [transforms.ToTensor(), transforms.Normalize(mean, std)]
     augment = [transforms.RandomCrop(image_size, padding=crop_padding)] if crop_padding else []
     augment += [transforms.RandomHorizontalFlip()] if hflip else []

@@ -1,0 +1,4 @@
+"""`python -m ddpexp.bench`: ddpexp against hand-written PyTorch DDP loops on the same model, data and steps.
+
+A is the tutorial's loop (torchvision dataset + per-sample transforms + DataLoader), B a tight loop over tensors
+built once, C `python -m ddpexp`. See README.md, "Performance"."""

@@ -1,0 +1,204 @@
+"""python -m ddpexp.bench: A (the tutorial's loop), B (a tight hand-written loop), C (python -m ddpexp), side by side.
+
+One run alternates A, B, C `--repeats` times per world size, on the same model, data (an MNIST-format set at
+--root: real MNIST when its IDX files are there, else synthetic digits written there), batch per rank, seed and
+steps, and prints the medians as a markdown table with the ratios the README quotes. It also writes
+OUT/results.json and OUT/results.md. Figures:
+
+- samples/s: steady state, over the steps after --warmup (all ranks' samples per second of wall time);
+- first step: seconds from starting the command to the end of rank 0's first optimizer step;
+- peak RSS per rank (MiB), and whether B's and C's final weights are bit-equal (same seed and data order)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ddpexp.bench.digits import has_mnist, write_mnist_idx
+
+LOOPS = {"A": "tutorial", "B": "tight", "C": "ddpexp"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(loop: str, args: argparse.Namespace, world_size: int, out: Path) -> list[str]:
+    steps = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if loop in ("A", "B"):
+        return [
+            sys.executable, "-m", "ddpexp.bench.loops", LOOPS[loop], "--root", str(args.root),
+            "--world-size", str(world_size), "--model", args.model, "--batch", str(args.batch), *steps,
+            "--seed", str(args.seed), "--port", str(free_port()), "--out", str(out),
+        ]  # fmt: skip
+    return [
+        sys.executable, "-m", "ddpexp", "launcher=spawn", f"gpus={world_size}", "device=cpu",
+        f"model={args.model}", "data=mnist", f"data.root={args.root}", f"batch_size={args.batch}",
+        f"max_steps={args.steps}", "epochs=1000", "eval_every_n_epochs=1000", "optimizer=adamw", "scheduler=none",
+        f"seed={args.seed}", "wandb.mode=disabled", "progress_bar=false", f"log_every_n_steps={args.warmup}",
+        f"hydra.run.dir={out}",
+    ]  # fmt: skip
+
+
+def run_one(loop: str, args: argparse.Namespace, world_size: int, out: Path) -> dict[str, Any]:
+    """Start one command, wait for it (hard timeout), and read its figures back from what it wrote."""
+    shutil.rmtree(out, ignore_errors=True)  # the bench's own output of an earlier run (ddpexp would resume it)
+    t0 = time.time()
+    proc = subprocess.run(command(loop, args, world_size, out), capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        raise SystemExit(
+            f"bench: {loop} (world size {world_size}) failed, exit {proc.returncode}:\n{proc.stderr[-3000:]}"
+        )
+    if loop == "C":
+        summary = json.loads((out / "summary.json").read_text())
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "samples_per_s" in r and r["step"] > args.warmup]  # the first interval warms up
+        samples = [
+            (r["step"] - prev) * args.batch * world_size
+            for prev, r in zip([args.warmup] + [r["step"] for r in rows], rows)
+        ]
+        seconds = sum(n / r["samples_per_s"] for n, r in zip(samples, rows))
+        result = {"first_step_at": summary["first_step_at"], "samples_per_s": sum(samples) / seconds}
+        result.update(peak_rss_mb=summary["peak_rss_mb"], threads_per_rank=summary["threads_per_rank"])
+        weights = out / "checkpoints" / "last.pt"
+    else:
+        result = json.loads((out / "result.json").read_text())
+        weights = out / "weights.pt"
+    result["first_step_s"] = result["first_step_at"] - t0
+    result["weights"] = str(weights)
+    return result
+
+
+def same_weights(a: str, b: str) -> bool:
+    import torch
+
+    wa = torch.load(a, weights_only=True)
+    wb = torch.load(b, weights_only=True)
+    wa, wb = wa.get("model", wa), wb.get("model", wb)
+    return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = [
+        "| world size | loop | samples/s (median) | runs | first step s (median) | peak RSS MiB/rank | B = C weights |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for ws, per in results["by_world_size"].items():
+        for loop in "ABC":
+            m = per[loop]
+            runs = ", ".join(f"{v:.0f}" for v in m["samples_per_s_runs"])
+            eq = ("bit-equal" if per["b_equals_c"] else "DIFFERENT") if loop == "C" else ""
+            lines.append(
+                f"| {ws} | {loop} ({LOOPS[loop]}) | {m['samples_per_s']:.0f} | {runs} | {m['first_step_s']:.1f} "
+                f"| {max(m['peak_rss_mb']):.0f} | {eq} |"
+            )
+    lines += ["", "| ratio | value |", "|---|---|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in results["ratios"].items()]
+    return "\n".join(lines)
+
+
+def ratios(by_ws: dict[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for ws, per in by_ws.items():
+        c, b, a = (per[k]["samples_per_s"] for k in "CBA")
+        out[f"C / B samples/s, world size {ws}"] = c / b
+        out[f"C / A samples/s, world size {ws}"] = c / a
+        out[f"C - B first step s, world size {ws}"] = per["C"]["first_step_s"] - per["B"]["first_step_s"]
+    if "1" in by_ws and "2" in by_ws:
+        out["C world size 2 / C world size 1 samples/s"] = (
+            by_ws["2"]["C"]["samples_per_s"] / by_ws["1"]["C"]["samples_per_s"]
+        )
+    return out
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ddpexp.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="cnn", choices=["cnn", "resnet18"])
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--batch", type=int, default=128, help="per rank")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--warmup", type=int, default=25, help="steps excluded from samples/s (C logs every this many)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--n-train", type=int, default=20000, help="synthetic images written when --root has no MNIST")
+    p.add_argument("--n-test", type=int, default=2000)
+    p.add_argument("--root", type=Path, default=Path("bench/data"))
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900, help="seconds per command")
+    args = p.parse_args(argv)
+    if not 1 <= args.warmup < args.steps:
+        p.error(f"--warmup={args.warmup}: must be >= 1 and < --steps={args.steps}")
+    if args.repeats < 1 or min(args.world_sizes) < 1:
+        p.error("--repeats and --world-sizes must be >= 1")
+    args.root = args.root.resolve()
+    if has_mnist(args.root):
+        print(f"bench: MNIST files found at {args.root}: using them", flush=True)
+    else:
+        write_mnist_idx(args.root, args.n_train, args.n_test, args.seed)
+        print(
+            f"bench: wrote {args.n_train} + {args.n_test} synthetic 28x28 digits (MNIST IDX) to {args.root}", flush=True
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = args.out / "runs"
+
+    raw: dict[str, dict[str, list[dict[str, Any]]]] = {str(ws): {k: [] for k in "ABC"} for ws in args.world_sizes}
+    for i in range(args.repeats):
+        for ws in args.world_sizes:
+            for loop in "ABC":
+                out = runs / f"ws{ws}-{loop}-{i}"
+                r = run_one(loop, args, ws, out)
+                raw[str(ws)][loop].append(r)
+                print(f"bench: repeat {i + 1}/{args.repeats} world size {ws} {loop}: {r['samples_per_s']:.0f} samples/s, "
+                      f"first step {r['first_step_s']:.1f} s", flush=True)  # fmt: skip
+
+    by_ws: dict[str, Any] = {}
+    for ws, per in raw.items():
+        by_ws[ws] = {
+            loop: {
+                "samples_per_s": statistics.median(r["samples_per_s"] for r in rs),
+                "samples_per_s_runs": [r["samples_per_s"] for r in rs],
+                "first_step_s": statistics.median(r["first_step_s"] for r in rs),
+                "peak_rss_mb": [max(r["peak_rss_mb"][k] for r in rs) for k in range(len(rs[0]["peak_rss_mb"]))],
+                "threads_per_rank": rs[0]["threads_per_rank"],
+            }
+            for loop, rs in per.items()
+        }
+        by_ws[ws]["b_equals_c"] = all(same_weights(b["weights"], c["weights"]) for b, c in zip(per["B"], per["C"]))
+    results = {
+        "machine": machine(),
+        "params": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "by_world_size": by_ws,
+    }
+    results["ratios"] = ratios(by_ws)
+    md = table(results)
+    (args.out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (args.out / "results.md").write_text(md + "\n")
+    print(md)
+    print(f"bench: wrote {args.out / 'results.json'} and {args.out / 'results.md'}")
+    return 0 if all(per["b_equals_c"] for per in by_ws.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The two hand-written DDP loops ddpexp is measured against; plain PyTorch, nothing imported from ddpexp.
+
+    python -m ddpexp.bench.loops {tutorial,tight} --root R --world-size N --batch B --steps S --warmup W --out DIR
+
+tutorial (A): the tutorial's recipe as written: mp.spawn, torchvision's MNIST with ToTensor + Normalize per sample,
+    DataLoader + DistributedSampler + set_epoch, DDP; no thread settings.
+tight (B): the same model, seed and data order (DistributedSampler's), over tensors normalized once; batches by
+    index slicing; threads per rank = cores // ranks, one inter-op thread. What a careful engineer writes by hand.
+
+Both write DIR/result.json (first_step_at, steady samples/s over the steps after `warmup`, peak RSS per rank) and
+DIR/weights.pt (rank 0's final state_dict)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import resource
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+MEAN, STD = 0.1307, 0.3081
+
+
+def build_model(name: str) -> nn.Module:
+    if name == "cnn":  # ddpexp's model=cnn, layer for layer (so the same seed gives the same weights)
+        return nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2), nn.Flatten(),
+            nn.Linear(64 * 14 * 14, 128), nn.ReLU(),
+            nn.Linear(128, 10),
+        )  # fmt: skip
+    if name == "resnet18":  # ddpexp's model=resnet18 on 28 px: 3x3 stem, no max-pool
+        import torchvision
+
+        net = torchvision.models.resnet18(weights=None, num_classes=10)
+        net.conv1 = nn.Conv2d(1, 64, 3, 1, 1, bias=False)
+        net.maxpool = nn.Identity()
+        return net
+    raise SystemExit(f"bench: model={name!r}: must be cnn or resnet18")
+
+
+def _batches_tutorial(args: argparse.Namespace, rank: int, world_size: int):  # type: ignore[no-untyped-def]
+    from torchvision import datasets, transforms
+
+    tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((MEAN,), (STD,))])
+    dataset = datasets.MNIST(args.root, train=True, transform=tf)
+    sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=args.seed)
+    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
+        yield from loader
+
+
+def _batches_tight(args: argparse.Namespace, rank: int, world_size: int):  # type: ignore[no-untyped-def]
+    from torchvision import datasets
+
+    raw = datasets.MNIST(args.root, train=True)
+    x = raw.data.unsqueeze(1).float().div(255).sub(torch.tensor(MEAN)).div(torch.tensor(STD))
+    y = raw.targets
+    sampler = DistributedSampler(range(len(y)), world_size, rank, shuffle=True, seed=args.seed)
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
+        order = torch.tensor(list(sampler))
+        for start in range(0, len(order), args.batch):
+            idx = order[start : start + args.batch]
+            yield x[idx], y[idx]
+
+
+def _rank(rank: int, args: argparse.Namespace) -> None:
+    world_size = args.world_size
+    if args.loop == "tight":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_interop_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    model = build_model(args.model)
+    ddp = DDP(model)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.01)
+    batches = (_batches_tight if args.loop == "tight" else _batches_tutorial)(args, rank, world_size)
+    first_step_at = steady_from = None
+    for step in range(1, args.steps + 1):
+        x, y = next(batches)
+        loss = F.cross_entropy(ddp(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step == 1:
+            first_step_at = time.time()
+        if step == args.warmup:
+            steady_from = time.perf_counter()
+    elapsed = time.perf_counter() - steady_from  # type: ignore[operator]
+    rss: list = [None] * world_size
+    dist.all_gather_object(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        torch.save(model.state_dict(), os.path.join(args.out, "weights.pt"))
+        result = {
+            "loop": args.loop,
+            "first_step_at": first_step_at,
+            "samples_per_s": (args.steps - args.warmup) * args.batch * world_size / elapsed,
+            "peak_rss_mb": [round(r, 1) for r in rss],
+            "threads_per_rank": torch.get_num_threads(),
+        }
+        with open(os.path.join(args.out, "result.json"), "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m ddpexp.bench.loops", description=__doc__.split("\n\n")[0])
+    p.add_argument("loop", choices=["tutorial", "tight"])
+    p.add_argument("--root", required=True)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--model", default="cnn")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    if not 1 <= args.warmup < args.steps:
+        raise SystemExit(f"bench: --warmup={args.warmup}: must be >= 1 and < --steps={args.steps}")
+    mp.spawn(_rank, args=(args,), nprocs=args.world_size)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""`python -m ddpexp.bench` at a tiny size: it runs A, B and C end to end and B's and C's weights are bit-equal.
+
+Never a speed threshold: the figures are the benchmark's to print (README, "Performance")."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ddpexp_env
+from ddpexp.bench.digits import has_mnist, write_mnist_idx
+
+
+def test_the_synthetic_digits_are_mnist_files_torchvision_reads(tmp_path: Path) -> None:
+    from torchvision.datasets import MNIST
+
+    write_mnist_idx(tmp_path / "a", n_train=500, n_test=60, seed=1)
+    write_mnist_idx(tmp_path / "b", n_train=500, n_test=60, seed=1)
+    write_mnist_idx(tmp_path / "c", n_train=500, n_test=60, seed=2)
+    assert has_mnist(tmp_path / "a") and not has_mnist(tmp_path)
+    train, test = MNIST(str(tmp_path / "a"), train=True), MNIST(str(tmp_path / "a"), train=False)
+    assert tuple(train.data.shape) == (500, 28, 28) and tuple(test.data.shape) == (60, 28, 28)
+    assert sorted(set(train.targets.tolist())) == list(range(10))
+    images = train.data.numpy().astype(int)
+    assert len({im.tobytes() for im in images}) == 500  # no two alike
+    # a digit's ink: its mean image differs from every other digit's (the labels mean something)
+    means = np.stack([images[train.targets.numpy() == d].mean(0) for d in range(10)])
+    gaps = [np.abs(means[i] - means[j]).mean() for i in range(10) for j in range(i + 1, 10)]
+    assert min(gaps) > 5
+    same = MNIST(str(tmp_path / "b"), train=True)
+    other = MNIST(str(tmp_path / "c"), train=True)
+    assert (same.data == train.data).all() and not (other.data == train.data).all()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_benchmark_runs_all_three_loops_and_b_equals_c(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable, "-m", "ddpexp.bench", "--world-sizes", "2", "--steps", "6", "--warmup", "2",
+        "--repeats", "1", "--n-train", "400", "--n-test", "50", "--root", "data", "--out", "out",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ddpexp_env(), capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    per = results["by_world_size"]["2"]
+    assert per["b_equals_c"] is True
+    for loop in "ABC":
+        assert per[loop]["samples_per_s"] > 0 and 0 < per[loop]["first_step_s"] < 120
+        assert len(per[loop]["peak_rss_mb"]) == 2 and min(per[loop]["peak_rss_mb"]) > 50
+    assert per["B"]["threads_per_rank"] == per["C"]["threads_per_rank"]
+    assert set(results["ratios"]) == {
+        "C / B samples/s, world size 2", "C / A samples/s, world size 2", "C - B first step s, world size 2"
+    }  # fmt: skip
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert md in proc.stdout and "| 2 | C (ddpexp) |" in md and "bit-equal" in md
+    # C's run record says which path it took: the in-memory one, fp32 on the CPU
+    summary = json.loads((tmp_path / "out" / "runs" / "ws2-C-0" / "summary.json").read_text())
+    assert summary["data_path"] == "InMemoryLoader" and summary["precision"] == "fp32"
