@@ -8,7 +8,8 @@ tight (B): the same model, seed and data order (DistributedSampler's), over tens
     index slicing; threads per rank = cores // ranks, one inter-op thread. What a careful engineer writes by hand.
 
 Both write DIR/result.json (first_step_at, steady samples/s over the steps after `warmup`, peak RSS per rank) and
-DIR/weights.pt (rank 0's final state_dict)."""
+DIR/weights.pt (rank 0's final state_dict). --device cuda: one GPU per rank, NCCL, data moved to the GPU (the
+tutorial's per-batch copy for A, the whole set once for B)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def build_model(name: str) -> nn.Module:
     raise SystemExit(f"bench: model={name!r}: must be cnn or resnet18")
 
 
-def _batches_tutorial(args: argparse.Namespace, rank: int, world_size: int):  # type: ignore[no-untyped-def]
+def _batches_tutorial(args: argparse.Namespace, rank: int, world_size: int, device: torch.device):  # type: ignore[no-untyped-def]
     from torchvision import datasets, transforms
 
     tf = transforms.Compose([transforms.ToTensor(), transforms.Normalize((MEAN,), (STD,))])
@@ -60,19 +61,20 @@ def _batches_tutorial(args: argparse.Namespace, rank: int, world_size: int):  # 
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
     for epoch in itertools.count():
         sampler.set_epoch(epoch)
-        yield from loader
+        for x, y in loader:
+            yield x.to(device), y.to(device)
 
 
-def _batches_tight(args: argparse.Namespace, rank: int, world_size: int):  # type: ignore[no-untyped-def]
+def _batches_tight(args: argparse.Namespace, rank: int, world_size: int, device: torch.device):  # type: ignore[no-untyped-def]
     from torchvision import datasets
 
     raw = datasets.MNIST(args.root, train=True)
-    x = raw.data.unsqueeze(1).float().div(255).sub(torch.tensor(MEAN)).div(torch.tensor(STD))
-    y = raw.targets
+    x = raw.data.unsqueeze(1).float().div(255).sub(torch.tensor(MEAN)).div(torch.tensor(STD)).to(device)
+    y = raw.targets.to(device)
     sampler = DistributedSampler(range(len(y)), world_size, rank, shuffle=True, seed=args.seed)
     for epoch in itertools.count():
         sampler.set_epoch(epoch)
-        order = torch.tensor(list(sampler))
+        order = torch.tensor(list(sampler), device=device)
         for start in range(0, len(order), args.batch):
             idx = order[start : start + args.batch]
             yield x[idx], y[idx]
@@ -84,14 +86,19 @@ def _rank(rank: int, args: argparse.Namespace) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         torch.set_num_interop_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else lambda: None  # CUDA runs ahead of the host: time what it finished
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world_size)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    model = build_model(args.model)
-    ddp = DDP(model)
+    model = build_model(args.model).to(device)
+    ddp = DDP(model, device_ids=[rank] if cuda else None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3, weight_decay=0.01)
-    batches = (_batches_tight if args.loop == "tight" else _batches_tutorial)(args, rank, world_size)
+    batches = (_batches_tight if args.loop == "tight" else _batches_tutorial)(args, rank, world_size, device)
     first_step_at = steady_from = None
     for step in range(1, args.steps + 1):
         x, y = next(batches)
@@ -100,9 +107,12 @@ def _rank(rank: int, args: argparse.Namespace) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step == 1:
+            sync()
             first_step_at = time.time()
         if step == args.warmup:
+            sync()
             steady_from = time.perf_counter()
+    sync()
     elapsed = time.perf_counter() - steady_from  # type: ignore[operator]
     rss: list = [None] * world_size
     dist.all_gather_object(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -127,6 +137,7 @@ def main() -> None:
     p.add_argument("--root", required=True)
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--model", default="cnn")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
