@@ -134,3 +134,22 @@ def test_optuna_on_slurm_waits_for_each_trial(tmp_path: Path, slurm: dict[str, s
     assert len({s["slurm"]["job_id"] for s in summaries}) == 2
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert results["best_value"] == max(s["final"]["val/acc"] for s in summaries)
+
+
+@pytest.mark.timeout(180)
+def test_a_study_whose_every_trial_failed_ends_with_the_list_not_a_traceback(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_ddpexp(
+        "hparams_search=digits_optuna", "hydra.sweeper.n_trials=2", "launcher=spawn", "gpus=1", "epochs=1",
+        "debug.fail_at_step=1", "wandb.mode=disabled", f"hydra.sweep.dir={sweep}", cwd=tmp_path, check=False,
+        timeout=150,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    # Each failing rank's traceback once; none from the sweeper, whose study has no completed trial to report.
+    assert out.count("Traceback") == 2 and "No trials are completed yet" not in out, out
+    assert proc.returncode == 1, out
+    assert "ddpexp: every trial of the study failed: 2 job(s) of the sweep failed:" in proc.stderr, out
+    for i in range(2):
+        assert f"{sweep / str(i)}: rank 0 failed: RuntimeError: debug.fail_at_step=1" in proc.stderr
+        assert read_summary(sweep / str(i))["status"] == "failed"
+    assert not (sweep / "optimization_results.yaml").exists()

@@ -24,15 +24,12 @@ def _task(dcfg: Any) -> Any:
     return report(lambda: run(dcfg))
 
 
-FAILED: list[str] = []  # jobs of this multirun that failed, as "job_dir: error"
-
-
 def run_in_sweep(dcfg: Any) -> Any:
     """One job of a multirun: a failure is recorded and counted, and the sweep goes on (Hydra's basic sweeper
     would stop it); an Optuna sweeper records a failed trial. A signal stops the whole sweep."""
     from hydra.core.hydra_config import HydraConfig
 
-    from ddpexp.errors import is_config_error, one_line
+    from ddpexp.errors import FAILED, is_config_error, one_line
     from ddpexp.launchers import Interrupted, RankFailure
     from ddpexp.objective import failed_trial
     from ddpexp.run import run
@@ -56,7 +53,7 @@ def main() -> None:
 
         sys.exit(report_main(sys.argv[2:]))
     from ddpexp.config import register_configs
-    from ddpexp.errors import install_error_reporting
+    from ddpexp.errors import FAILED, failed_jobs_message, install_error_reporting
     from ddpexp.sweep import install_skip_completed
 
     if not os.path.isdir(CONF_DIR):
@@ -70,7 +67,7 @@ def main() -> None:
     if "ddpexp.run" in sys.modules:  # a multirun that submitted jobs to a scheduler: wait for them now
         FAILED.extend(sys.modules["ddpexp.run"].wait_deferred())
     if FAILED:
-        sys.exit(f"ddpexp: {len(FAILED)} job(s) of the sweep failed:\n  " + "\n  ".join(FAILED))
+        sys.exit(failed_jobs_message())
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 CONFIG_EXIT, FAILED_EXIT, INTERRUPTED_EXIT = 2, 1, 130
+FAILED: list[str] = []  # jobs of this multirun that failed, as "job_dir: error"
 _SKIP = ("full_key:", "object_type=", "reference_type=", "Set the environment variable HYDRA_FULL_ERROR")
 
 
@@ -61,10 +62,17 @@ def report(func: Callable[[], Any]) -> Any:
               "continues from the last checkpoint", file=sys.stderr)  # fmt: skip
         sys.exit(INTERRUPTED_EXIT)
     except Exception as e:
+        if FAILED and "No trials are completed yet" in str(e):  # the Optuna sweeper's end when every trial failed
+            print(failed_jobs_message("every trial of the study failed: "), file=sys.stderr)
+            sys.exit(FAILED_EXIT)
         if not is_config_error(e):
             raise
         print(f"ddpexp: error: {one_line(e)}", file=sys.stderr)
         sys.exit(CONFIG_EXIT)
+
+
+def failed_jobs_message(headline: str = "") -> str:
+    return f"ddpexp: {headline}{len(FAILED)} job(s) of the sweep failed:\n  " + "\n  ".join(FAILED)
 
 
 def install_error_reporting() -> None:
