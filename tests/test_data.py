@@ -149,7 +149,7 @@ def test_speed_defaults_are_fp32_on_cpu_and_fast_on_cuda(monkeypatch: pytest.Mon
     from ddpexp.config import Config
     from ddpexp.models import cnn, mlp
     from ddpexp.optim import fused_kwargs
-    from ddpexp.worker import speed_defaults
+    from ddpexp.speed import speed_defaults
 
     cfg = Config(
         launcher={"_target_": "x"}, model={"_target_": "x"}, data={"_target_": "x"}, optimizer={"_target_": "x"}

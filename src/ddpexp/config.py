@@ -112,6 +112,7 @@ class Config:
     num_workers: int = 0
     compile: bool = False
     channels_last: bool | None = None  # null: on CUDA for models with 2-d convolutions
+    keep_freed_memory: bool = True  # glibc malloc re-uses freed CPU memory instead of page-faulting it back each step
     plan: bool = False  # print what each rank would run (and the sbatch script), start nothing
     progress_bar: bool = True  # rank 0 only, and only when stderr is a terminal
 
