@@ -5,6 +5,7 @@ Never a speed threshold: the figures are the benchmark's to print (README, "Perf
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,22 +43,27 @@ def test_the_synthetic_digits_are_mnist_files_torchvision_reads(tmp_path: Path) 
 def test_the_benchmark_runs_all_three_loops_and_b_equals_c(tmp_path: Path) -> None:
     cmd = [
         sys.executable, "-m", "ddpexp.bench", "--world-sizes", "2", "--steps", "6", "--warmup", "2",
-        "--repeats", "1", "--n-train", "400", "--n-test", "50", "--root", "data", "--out", "out",
+        "--repeats", "1", "--n-train", "400", "--n-test", "50", "--root", "data", "--out", "out", "--lightning",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=tmp_path, env=ddpexp_env(), capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     per = results["by_world_size"]["2"]
     assert per["b_equals_c"] is True
-    for loop in "ABC":
+    assert results["loops"] == "ABCD"
+    for loop in "ABCD":
         assert per[loop]["samples_per_s"] > 0 and 0 < per[loop]["first_step_s"] < 120
         assert len(per[loop]["peak_rss_mb"]) == 2 and min(per[loop]["peak_rss_mb"]) > 50
-    assert per["B"]["threads_per_rank"] == per["C"]["threads_per_rank"]
+    # every loop but the tutorial's splits the cores between the ranks (Lightning does it itself)
+    assert per["C"]["threads_per_rank"] == max(1, len(os.sched_getaffinity(0)) // 2)
+    assert per["B"]["threads_per_rank"] == per["C"]["threads_per_rank"] == per["D"]["threads_per_rank"]
     assert set(results["ratios"]) == {
-        "C / B samples/s, world size 2", "C / A samples/s, world size 2", "C - B first step s, world size 2"
+        "C / B samples/s, world size 2", "C / A samples/s, world size 2", "C / D samples/s, world size 2",
+        "C - B first step s, world size 2",
     }  # fmt: skip
     md = (tmp_path / "out" / "results.md").read_text()
-    assert md in proc.stdout and "| 2 | C (ddpexp) |" in md and "bit-equal" in md
-    # C's run record says which path it took: the in-memory one, fp32 on the CPU
+    assert md in proc.stdout and "| 2 | C (ddpexp) |" in md and "| 2 | D (lightning) |" in md and "bit-equal" in md
+    # C's run record says which path it took: the in-memory one, fp32 on the CPU, glibc keeping freed memory
     summary = json.loads((tmp_path / "out" / "runs" / "ws2-C-0" / "summary.json").read_text())
     assert summary["data_path"] == "InMemoryLoader" and summary["precision"] == "fp32"
+    assert summary["keep_freed_memory"] is True

@@ -1,6 +1,7 @@
-"""python -m ddpexp.bench: A (the tutorial's loop), B (a tight hand-written loop), C (python -m ddpexp), side by side.
+"""python -m ddpexp.bench: A (the tutorial's loop), B (a tight hand-written loop), C (python -m ddpexp), side by side
+(and D, Lightning, with --lightning).
 
-One run alternates A, B, C `--repeats` times per world size, on the same model, data (an MNIST-format set at
+One run alternates A, B, C (, D) `--repeats` times per world size, on the same model, data (an MNIST-format set at
 --root: real MNIST when its IDX files are there, else synthetic digits written there), batch per rank, seed and
 steps, and prints the medians as a markdown table with the ratios the README quotes. It also writes
 OUT/results.json and OUT/results.md. Figures:
@@ -12,6 +13,7 @@ OUT/results.json and OUT/results.md. Figures:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -26,7 +28,7 @@ from typing import Any
 
 from ddpexp.bench.digits import has_mnist, write_mnist_idx
 
-LOOPS = {"A": "tutorial", "B": "tight", "C": "ddpexp"}
+LOOPS = {"A": "tutorial", "B": "tight", "C": "ddpexp", "D": "lightning"}
 
 
 def free_port() -> int:
@@ -36,11 +38,11 @@ def free_port() -> int:
 
 
 def command(loop: str, args: argparse.Namespace, world_size: int, out: Path) -> list[str]:
-    steps = ["--steps", str(args.steps), "--warmup", str(args.warmup)]
-    if loop in ("A", "B"):
+    if loop != "C":
+        module = ["ddpexp.bench.lightning_loop"] if loop == "D" else ["ddpexp.bench.loops", LOOPS[loop]]
         return [
-            sys.executable, "-m", "ddpexp.bench.loops", LOOPS[loop], "--root", str(args.root),
-            "--world-size", str(world_size), "--model", args.model, "--batch", str(args.batch), *steps,
+            sys.executable, "-m", *module, "--root", str(args.root), "--world-size", str(world_size),
+            "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--seed", str(args.seed), "--port", str(free_port()), "--out", str(out), "--device", args.device,
         ]  # fmt: skip
     exact = ["precision=fp32", "channels_last=false"] if args.exact else []  # else ddpexp's defaults for the device
@@ -55,13 +57,17 @@ def command(loop: str, args: argparse.Namespace, world_size: int, out: Path) -> 
 
 def run_one(loop: str, args: argparse.Namespace, world_size: int, out: Path) -> dict[str, Any]:
     """Start one command, wait for it (hard timeout), and read its figures back from what it wrote."""
-    shutil.rmtree(out, ignore_errors=True)  # the bench's own output of an earlier run (ddpexp would resume it)
-    t0 = time.time()
-    proc = subprocess.run(command(loop, args, world_size, out), capture_output=True, text=True, timeout=args.timeout)
-    if proc.returncode != 0:
-        raise SystemExit(
-            f"bench: {loop} (world size {world_size}) failed, exit {proc.returncode}:\n{proc.stderr[-3000:]}"
-        )
+    for attempt in (1, 2):  # a rare crash at exit (seen once from A's plain loop) costs one rerun, not the table
+        shutil.rmtree(out, ignore_errors=True)  # the bench's own output of an earlier run (ddpexp would resume it)
+        t0 = time.time()
+        cmd = command(loop, args, world_size, out)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        if proc.returncode == 0:
+            break
+        failure = f"bench: {loop} (world size {world_size}) failed, exit {proc.returncode}:\n{proc.stderr[-3000:]}"
+        if attempt == 2:
+            raise SystemExit(failure)
+        print(f"{failure}\nbench: running {loop} (world size {world_size}) once more", flush=True)
     if loop == "C":
         summary = json.loads((out / "summary.json").read_text())
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -78,6 +84,7 @@ def run_one(loop: str, args: argparse.Namespace, world_size: int, out: Path) -> 
         result = json.loads((out / "result.json").read_text())
         weights = out / "weights.pt"
     result["first_step_s"] = result["first_step_at"] - t0
+    result["attempts"] = attempt
     result["weights"] = str(weights)
     return result
 
@@ -97,9 +104,10 @@ def table(results: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for ws, per in results["by_world_size"].items():
-        for loop in "ABC":
+        for loop in results["loops"]:
             m = per[loop]
             runs = ", ".join(f"{v:.0f}" for v in m["samples_per_s_runs"])
+            runs += f" ({m['reruns']} rerun after a crash)" if m["reruns"] else ""
             eq = ("bit-equal" if per["b_equals_c"] else "DIFFERENT") if loop == "C" else ""
             lines.append(
                 f"| {ws} | {loop} ({LOOPS[loop]}) | {m['samples_per_s']:.0f} | {runs} | {m['first_step_s']:.1f} "
@@ -116,6 +124,8 @@ def ratios(by_ws: dict[str, Any]) -> dict[str, float]:
         c, b, a = (per[k]["samples_per_s"] for k in "CBA")
         out[f"C / B samples/s, world size {ws}"] = c / b
         out[f"C / A samples/s, world size {ws}"] = c / a
+        if "D" in per:
+            out[f"C / D samples/s, world size {ws}"] = c / per["D"]["samples_per_s"]
         out[f"C - B first step s, world size {ws}"] = per["C"]["first_step_s"] - per["B"]["first_step_s"]
     if "1" in by_ws and "2" in by_ws:
         out["C world size 2 / C world size 1 samples/s"] = (
@@ -144,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="C in fp32 without channels_last, as B (default on cpu; on cuda C runs its fast defaults: bf16 etc.)",
     )
+    p.add_argument("--lightning", action="store_true", help="also D: Lightning's ddp_spawn (the bench extra)")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--batch", type=int, default=128, help="per rank")
     p.add_argument("--steps", type=int, default=150)
@@ -162,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--repeats and --world-sizes must be >= 1")
     if args.exact is None:
         args.exact = args.device == "cpu"
+    if args.lightning and importlib.util.find_spec("lightning") is None:
+        p.error("--lightning: Lightning is not installed (pip install -e '.[bench]')")
+    loops = "ABCD" if args.lightning else "ABC"
     if args.device == "cuda":
         import torch
 
@@ -178,10 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     runs = args.out / "runs"
 
-    raw: dict[str, dict[str, list[dict[str, Any]]]] = {str(ws): {k: [] for k in "ABC"} for ws in args.world_sizes}
+    raw: dict[str, dict[str, list[dict[str, Any]]]] = {str(ws): {k: [] for k in loops} for ws in args.world_sizes}
     for i in range(args.repeats):
         for ws in args.world_sizes:
-            for loop in "ABC":
+            for loop in loops:
                 out = runs / f"ws{ws}-{loop}-{i}"
                 r = run_one(loop, args, ws, out)
                 raw[str(ws)][loop].append(r)
@@ -197,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 "first_step_s": statistics.median(r["first_step_s"] for r in rs),
                 "peak_rss_mb": [max(r["peak_rss_mb"][k] for r in rs) for k in range(len(rs[0]["peak_rss_mb"]))],
                 "threads_per_rank": rs[0]["threads_per_rank"],
+                "reruns": sum(r["attempts"] - 1 for r in rs),  # runs that crashed once and were run again
             }
             for loop, rs in per.items()
         }
@@ -204,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "machine": machine(),
         "params": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "loops": loops,
         "by_world_size": by_ws,
     }
     results["ratios"] = ratios(by_ws)

@@ -128,6 +128,7 @@ def _rank(rank: int, args: argparse.Namespace) -> None:
         }
         with open(os.path.join(args.out, "result.json"), "w") as f:
             json.dump(result, f)
+    dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 
 
