@@ -114,7 +114,7 @@ def table(results: dict[str, Any]) -> str:
                 f"| {max(m['peak_rss_mb']):.0f} | {eq} |"
             )
     lines += ["", "| ratio | value |", "|---|---|"]
-    lines += [f"| {k} | {v:.2f} |" for k, v in results["ratios"].items()]
+    lines += [f"| {k} | {v:.2f} |" if "first step" in k else f"| {k} | {v:.3f} |" for k, v in results["ratios"].items()]
     return "\n".join(lines)
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from ddpexp.bench.loops import MEAN, STD, build_model
+from ddpexp.bench.loops import MEAN, STD, build_model, parse_args
 
 
 class Classifier(L.LightningModule):
@@ -79,20 +79,7 @@ class Timing(L.Callback):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m ddpexp.bench.lightning_loop", description=__doc__.split("\n\n")[0])
-    p.add_argument("--root", required=True)
-    p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--model", default="cnn")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--batch", type=int, default=128)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    if not 1 <= args.warmup < args.steps:
-        raise SystemExit(f"bench: --warmup={args.warmup}: must be >= 1 and < --steps={args.steps}")
+    args = parse_args("python -m ddpexp.bench.lightning_loop", __doc__.split("\n\n")[0])
     from torchvision import datasets, transforms
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))

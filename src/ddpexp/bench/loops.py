@@ -132,9 +132,11 @@ def _rank(rank: int, args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m ddpexp.bench.loops", description=__doc__.split("\n\n")[0])
-    p.add_argument("loop", choices=["tutorial", "tight"])
+def parse_args(prog: str, description: str, loops: list[str] | None = None) -> argparse.Namespace:
+    """The arguments every benchmark loop takes (A and B here, D in lightning_loop)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    if loops:
+        p.add_argument("loop", choices=loops)
     p.add_argument("--root", required=True)
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--model", default="cnn")
@@ -148,6 +150,11 @@ def main() -> None:
     args = p.parse_args()
     if not 1 <= args.warmup < args.steps:
         raise SystemExit(f"bench: --warmup={args.warmup}: must be >= 1 and < --steps={args.steps}")
+    return args
+
+
+def main() -> None:
+    args = parse_args("python -m ddpexp.bench.loops", __doc__.split("\n\n")[0], ["tutorial", "tight"])
     mp.spawn(_rank, args=(args,), nprocs=args.world_size)
 
 
