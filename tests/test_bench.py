@@ -67,3 +67,36 @@ def test_the_benchmark_runs_all_three_loops_and_b_equals_c(tmp_path: Path) -> No
     summary = json.loads((tmp_path / "out" / "runs" / "ws2-C-0" / "summary.json").read_text())
     assert summary["data_path"] == "InMemoryLoader" and summary["precision"] == "fp32"
     assert summary["keep_freed_memory"] is True
+
+
+def test_a_loop_that_crashes_once_is_run_again_and_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from ddpexp.bench import __main__ as bench
+
+    marker, out = tmp_path / "crashed-once", tmp_path / "run"
+    script = (
+        "import json, os, sys, time\n"
+        f"m, out = {str(marker)!r}, {str(out)!r}\n"
+        "if not os.path.exists(m):\n"
+        "    open(m, 'w').close(); sys.exit(134)\n"
+        "os.makedirs(out, exist_ok=True)\n"
+        "json.dump({'first_step_at': time.time(), 'samples_per_s': 5.0, 'peak_rss_mb': [1.0]},"
+        " open(os.path.join(out, 'result.json'), 'w'))\n"
+    )
+    monkeypatch.setattr(bench, "command", lambda *a: [sys.executable, "-c", script])
+    result = bench.run_one("A", argparse.Namespace(timeout=60), 1, out)
+    assert marker.exists() and result["attempts"] == 2 and result["samples_per_s"] == 5.0
+
+
+def test_lightning_asked_for_but_missing_is_one_line(monkeypatch: pytest.MonkeyPatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    import importlib.util
+
+    from ddpexp.bench import __main__ as bench
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lightning" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--lightning"])
+    assert e.value.code == 2
+    assert "--lightning: Lightning is not installed (pip install -e '.[bench]')" in capsys.readouterr().err
