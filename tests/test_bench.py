@@ -100,3 +100,35 @@ def test_lightning_asked_for_but_missing_is_one_line(monkeypatch: pytest.MonkeyP
         bench.main(["--lightning"])
     assert e.value.code == 2
     assert "--lightning: Lightning is not installed (pip install -e '.[bench]')" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ddp_cost_runs_the_variants_and_only_ddp_keeps_the_replicas_equal(tmp_path: Path) -> None:
+    """`python -m ddpexp.bench.ddp_cost`: the un-reduced comm hook really skips the all-reduce (the ranks end with
+    different weights), DDP's all-reduce keeps them equal; every rank's busy figures are read back."""
+    write_mnist_idx(tmp_path / "data", n_train=400, n_test=50, seed=0)
+    cmd = [
+        sys.executable, "-m", "ddpexp.bench.ddp_cost", "--root", "data", "--pairs", "1", "--steps", "6",
+        "--warmup", "2", "--batch", "32", "--variants", "ddp", "unsynced", "--out", "cost.json",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ddpexp_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = json.loads((tmp_path / "cost.json").read_text())["runs"]
+    assert set(runs) == {"ddp", "unsynced"}
+    (ddp,), (unsynced,) = runs["ddp"], runs["unsynced"]
+    assert ddp["replicas_identical"] is True and unsynced["replicas_identical"] is False
+    for r in (ddp, unsynced):
+        assert r["samples_per_s"] > 0 and len(r["process_busy"]) == len(r["main_thread_busy"]) == 2
+        assert all(0 < m <= p + 0.01 for m, p in zip(r["main_thread_busy"], r["process_busy"]))
+    assert "| ddp |" in proc.stdout and "| +0.0% |" in proc.stdout and "| unsynced |" in proc.stdout
+
+
+def test_ddp_cost_without_data_is_one_line(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from ddpexp.bench import ddp_cost
+
+    with pytest.raises(SystemExit) as e:
+        ddp_cost.main(["--root", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"--root {tmp_path}: no MNIST files (run python -m ddpexp.bench once, or point at MNIST)")
