@@ -21,8 +21,8 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ def _unreduced(state, bucket):  # type: ignore[no-untyped-def]  (DDP checks the 
     return fut
 
 
-def _rank(rank: int, args: argparse.Namespace) -> None:
+def _rank(rank: int, args: argparse.Namespace, variant: str, port: int, out: str) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -49,15 +49,15 @@ def _rank(rank: int, args: argparse.Namespace) -> None:
     from ddpexp import speed
     from ddpexp.bench.loops import _batches_tight, build_model
 
-    world_size = 1 if args.variant == "ws1" else args.world_size
+    world_size = 1 if variant == "ws1" else args.world_size
     speed.limit_threads(world_size)
     speed.keep_freed_memory()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.manual_seed(args.seed)
     model = build_model(args.model)
-    net = DDP(model) if args.variant in ("ws1", "ddp", "unsynced") else model
-    if args.variant == "unsynced":
+    net = DDP(model) if variant in ("ws1", "ddp", "unsynced") else model
+    if variant == "unsynced":
         net.register_comm_hook(None, _unreduced)
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.01)
     batches = _batches_tight(args, rank, world_size, torch.device("cpu"))
@@ -66,7 +66,7 @@ def _rank(rank: int, args: argparse.Namespace) -> None:
             wall, cpu, main = time.perf_counter(), time.process_time(), time.thread_time()
         x, y = next(batches)
         F.cross_entropy(net(x), y).backward()
-        if args.variant == "barrier":
+        if variant == "barrier":
             dist.barrier()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -77,29 +77,30 @@ def _rank(rank: int, args: argparse.Namespace) -> None:
     dist.all_gather_object(every, (busy, flat))
     if rank == 0:
         result = {
-            "variant": args.variant,
+            "variant": variant,
             "samples_per_s": (args.steps - args.warmup) * args.batch * world_size / wall,
             "process_busy": [round(b[0][0], 3) for b in every],
             "main_thread_busy": [round(b[0][1], 3) for b in every],
             "replicas_identical": all(torch.equal(f, every[0][1]) for _, f in every),
         }
-        print("RESULT " + json.dumps(result), flush=True)
+        with open(out, "w") as f:
+            json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One variant in a fresh process (mp.spawn of its ranks); its RESULT line read back."""
+    """One run of a variant: its ranks spawned afresh; rank 0's figures read back."""
+    import torch.multiprocessing as mp
+
     from ddpexp.bench.__main__ import free_port
 
-    cmd = [sys.executable, "-m", "ddpexp.bench.ddp_cost", "--rank-variant", variant, "--port", str(free_port())]
-    for k in ("root", "model", "world_size", "batch", "steps", "warmup", "seed"):
-        cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"ddp_cost: {variant} failed, exit {proc.returncode}:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        nprocs = 1 if variant == "ws1" else args.world_size
+        mp.spawn(_rank, args=(args, variant, free_port(), out), nprocs=nprocs)
+        with open(out) as f:
+            return json.load(f)
 
 
 def table(runs: dict[str, list[dict[str, Any]]]) -> str:
@@ -131,10 +132,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pairs", type=int, default=2, help="times every variant is run, in turn")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600, help="seconds per run")
     p.add_argument("--out", default=None, help="also write the runs as JSON here")
-    p.add_argument("--rank-variant", choices=VARIANTS, help=argparse.SUPPRESS)  # one run, in the child
-    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not 1 <= args.warmup < args.steps:
         p.error(f"--warmup={args.warmup}: must be >= 1 and < --steps={args.steps}")
@@ -142,19 +140,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--world-size must be >= 2 and --pairs >= 1")
     if "ddp" not in args.variants:
         p.error("--variants: must include ddp (the others are compared with it)")
-    if args.rank_variant is None and not has_mnist(Path(args.root)):
+    if not has_mnist(Path(args.root)):
         p.error(f"--root {args.root}: no MNIST files (run python -m ddpexp.bench once, or point at MNIST)")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.rank_variant:
-        import torch.multiprocessing as mp
-
-        args.variant = args.rank_variant
-        mp.spawn(_rank, args=(args,), nprocs=1 if args.variant == "ws1" else args.world_size)
-        return 0
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in args.variants}
     for i in range(args.pairs):
         for variant in args.variants:
