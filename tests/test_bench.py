@@ -67,6 +67,11 @@ def test_the_benchmark_runs_all_three_loops_and_b_equals_c(tmp_path: Path) -> No
     summary = json.loads((tmp_path / "out" / "runs" / "ws2-C-0" / "summary.json").read_text())
     assert summary["data_path"] == "InMemoryLoader" and summary["precision"] == "fp32"
     assert summary["keep_freed_memory"] is True
+    # DDP's own bucketing: the head's gradients (first ready) fill a first bucket, all-reduced during the convs' backward
+    from ddpexp.bench.loops import build_model
+
+    sizes = [p.numel() * p.element_size() for p in build_model("cnn").parameters()]
+    assert summary["ddp_buckets"] == [sum(sizes[4:]), sum(sizes[:4])]
 
 
 def test_a_loop_that_crashes_once_is_run_again_and_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

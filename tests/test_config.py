@@ -117,6 +117,13 @@ def test_post_init_checks_name_the_key() -> None:
         make_config("launcher=torchrun", "launcher.nnodes=0:2")
 
 
+def test_ddp_buckets_default_to_pytorch_s_own() -> None:
+    # null leaves DDP its 1 MiB first bucket (an explicit 25 MiB would make one bucket of a small net's gradients,
+    # all-reduced only after the whole backward); a number is passed through
+    assert make_config().ddp.bucket_cap_mb is None
+    assert make_config("ddp.bucket_cap_mb=4").ddp.bucket_cap_mb == 4.0
+
+
 def test_resolved_once_in_the_parent() -> None:
     cfg = make_config("seed=11")
     assert cfg.data["seed"] == 11  # ${seed} resolved before ranks see it
@@ -142,6 +149,7 @@ BAD_INPUT = [
     (["checkpoint_every_n_steps=0"], "checkpoint_every_n_steps=0: must be >= 1 or null"),
     (["resume=missing.pt"], "checkpoint missing.pt: no such file"),
     (["launcher=slurm", "launcher.signal=TERM"], "launcher.signal='TERM': must be a signal name without SIG"),
+    (["ddp.bucket_cap_mb=0"], "ddp.bucket_cap_mb=0.0: must be > 0"),
 ]
 
 

@@ -61,11 +61,11 @@ class DDPConfig:
     find_unused_parameters: bool = False
     static_graph: bool = False
     gradient_as_bucket_view: bool = True
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float | None = None  # null: PyTorch's own, 25 MiB buckets after a 1 MiB first one
     sync_batchnorm: bool = False
 
     def __post_init__(self) -> None:
-        check(self.bucket_cap_mb > 0, f"ddp.bucket_cap_mb={self.bucket_cap_mb}: must be > 0")
+        check(self.bucket_cap_mb is None or self.bucket_cap_mb > 0, f"ddp.bucket_cap_mb={self.bucket_cap_mb}: must be > 0")
 
 
 @dataclass

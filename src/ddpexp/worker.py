@@ -269,10 +269,21 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker, res
 
     result: dict[str, Any] = {"final": final, "steps": step, "epochs": epoch + 1, "val_samples": len(splits.val)}
     result.update(data_path=type(loader).__name__, precision=precision, channels_last=channels_last)
+    result["ddp_buckets"] = _bucket_sizes(ddp)
     result["first_step_at"] = first_step_at  # unix time the first optimizer step of this attempt ended
     if cfg.debug.check_replicas:
         result["replicas"] = _compare_replicas(model)
     return result
+
+
+def _bucket_sizes(ddp: DDP) -> list[int] | None:
+    """DDP's gradient buckets in bytes, in all-reduce order, as rebuilt after the first step (None if unknown)."""
+    try:
+        data = ddp._get_ddp_logging_data()  # private, but the one place DDP tells
+    except (AttributeError, RuntimeError):
+        return None
+    sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes")
+    return [int(s) for s in str(sizes).split(",")] if sizes else None
 
 
 def _optimizer_step(cfg, step_model, ddp, optimizer, scaler, autocast, group) -> torch.Tensor:  # type: ignore[no-untyped-def]
