@@ -65,7 +65,9 @@ class DDPConfig:
     sync_batchnorm: bool = False
 
     def __post_init__(self) -> None:
-        check(self.bucket_cap_mb is None or self.bucket_cap_mb > 0, f"ddp.bucket_cap_mb={self.bucket_cap_mb}: must be > 0")
+        check(
+            self.bucket_cap_mb is None or self.bucket_cap_mb > 0, f"ddp.bucket_cap_mb={self.bucket_cap_mb}: must be > 0"
+        )
 
 
 @dataclass
