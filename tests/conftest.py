@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def ddpexp_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TORCHELASTIC_", "HYDRA_"))}
-    env.update(PYTHONUNBUFFERED="1", WANDB_SILENT="true")
+    env.update(PYTHONUNBUFFERED="1", WANDB_SILENT="true", CUDA_VISIBLE_DEVICES="")  # the CPU/gloo path, on any host
     env.pop("WANDB_API_KEY", None)  # wandb.mode=auto must pick offline
     return env
 

@@ -1,4 +1,5 @@
-"""Exact evaluation: N gloo ranks over a dataset size not divisible by N give the single-process metrics."""
+"""Exact evaluation: N gloo ranks over a dataset size not divisible by N give the single-process metrics, of the
+model rank 0 holds (BatchNorm's running stats included, which DDP leaves different on each rank)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ def dataset_and_model() -> tuple[Any, Any]:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(101, 4, generator=g), torch.randint(0, 3, (101,), generator=g)
     torch.manual_seed(0)
-    return torch.utils.data.TensorDataset(x, y), torch.nn.Linear(4, 3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 3))
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1, generator=g)
+        model[1].running_var.uniform_(0.5, 2, generator=g)
+    return torch.utils.data.TensorDataset(x, y), model
 
 
 def eval_worker(cfg: Any, job: Any) -> None:
@@ -31,7 +36,15 @@ def eval_worker(cfg: Any, job: Any) -> None:
     dist.init_process_group("gloo", init_method="env://")
     try:
         dataset, model = dataset_and_model()
-        metrics = evaluate(model, dataset, 8, torch.device("cpu"), nullcontext())
+        with torch.no_grad():  # as after a training step: each rank's stats moved with its own batch
+            model[1].running_mean += dist.get_rank()
+        before = torch.get_rng_state()
+        metrics = evaluate(model, dataset, 8, torch.device("cpu"), nullcontext())  # sliced in memory
+        as_loader = torch.utils.data.Subset(dataset, range(len(dataset)))  # no batch(): through a DataLoader
+        metrics.update(
+            {f"loader_{k}": v for k, v in evaluate(model, as_loader, 8, torch.device("cpu"), nullcontext()).items()}
+        )
+        metrics["rng_untouched"] = torch.equal(before, torch.get_rng_state())
         out = Path(job.dir) / f"rank{dist.get_rank()}_of{dist.get_world_size()}.json"
         out.write_text(json.dumps(metrics))
     finally:
@@ -50,6 +63,7 @@ def test_distributed_eval_equals_single_process(tmp_path: Path) -> None:
             SimpleNamespace(dir=tmp_path),
         )
     dataset, model = dataset_and_model()
+    model.eval()
     x, y = dataset.tensors
     with torch.no_grad():
         out = model(x)
@@ -60,3 +74,5 @@ def test_distributed_eval_equals_single_process(tmp_path: Path) -> None:
             got = json.loads((tmp_path / f"rank{rank}_of{n}.json").read_text())
             assert got["val/acc"] == expected_acc  # counts are integers: exactly equal, no padded duplicates
             assert got["val/loss"] == pytest.approx(expected_loss, rel=1e-6)
+            assert (got["loader_val/acc"], got["loader_val/loss"]) == (got["val/acc"], got["val/loss"])
+            assert got["rng_untouched"]  # a DataLoader draws its seed: the training RNG must not see it

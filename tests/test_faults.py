@@ -21,6 +21,7 @@ from conftest import (
     alive,
     assert_same_run,
     children_of,
+    load_weights,
     read_metrics,
     read_summary,
     run_ddpexp,
@@ -64,6 +65,26 @@ def test_resume_mid_epoch_continues_the_same_run_and_refuses_a_changed_config(tm
 
     again = run_ddpexp(*args, cwd=tmp_path)
     assert "already completed" in again.stdout and read_summary(job)["wall_time_s"] == summary["wall_time_s"]
+
+
+def test_a_larger_max_steps_continues_a_finished_run_mid_epoch(tmp_path: Path, reference: Path) -> None:
+    import torch
+
+    job = tmp_path / "job"
+    args = ["launcher=spawn", *COMMON, f"hydra.run.dir={job}"]
+    run_ddpexp(*args, "max_steps=17", cwd=tmp_path)  # ends mid-epoch 1 (12 steps an epoch), evaluates
+    assert read_summary(job)["steps"] == 17 and "val/acc" in read_summary(job)["final"]
+    longer = run_ddpexp(*args, cwd=tmp_path)  # max_steps back to the reference's: the epoch goes on from step 18
+    assert "resuming from" in longer.stdout and "step-00000017.pt" in longer.stdout
+    summary = read_summary(job)
+    assert (summary["status"], summary["steps"], summary["epochs"]) == ("completed", 24, 2)
+    ours, ref = load_weights(job), load_weights(reference)
+    assert all(torch.equal(ours[k], ref[k]) for k in ref)  # the evaluation at step 17 drew no training RNG
+    assert summary["final"] == read_summary(reference)["final"]
+    train = lambda j: [(m["step"], m["train/loss"]) for m in read_metrics(j) if "train/loss" in m]  # noqa: E731
+    # The first run logged its last step, 17; its loss there and at 18 averages other steps than the reference's.
+    assert [r for r in train(job) if r[0] not in (17, 18)] == [r for r in train(reference) if r[0] != 18]
+    assert [r[0] for r in train(job)] == sorted([17, *(r[0] for r in train(reference))])
 
 
 def test_torchrun_restart_after_a_sigkilled_rank_ends_bit_equal(tmp_path: Path, reference: Path) -> None:

@@ -33,8 +33,8 @@ def rng_state() -> dict[str, Any]:
         "numpy": [kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached)],
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_initialized():  # a CUDA run: its own GPU's stream (a CPU run never touches CUDA)
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -47,8 +47,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda" in state and torch.cuda.is_initialized():
+        cuda = state["cuda"]
+        if isinstance(cuda, list):  # an older checkpoint: every visible GPU's state
+            cuda = cuda[torch.cuda.current_device()] if torch.cuda.current_device() < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
 
 
 def _write_atomic(path: str, write: Any) -> None:
@@ -90,15 +94,13 @@ def step_files(ckpt_dir: str) -> list[str]:
 
 def load(path: str) -> dict[str, Any]:
     """Load with weights_only=True: a file holding pickled code is refused before anything runs."""
-    import pickle
-
     import torch
 
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path}: no such file")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, AttributeError) as e:
+    except Exception as e:  # unpickling arbitrary bytes fails in many ways (KeyError, IndexError, struct.error...)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"checkpoint {path}: refused, not a plain tensor checkpoint ({first})") from None
     if not isinstance(state, dict) or not {"model", "step", "config"} <= set(state):

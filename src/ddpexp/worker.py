@@ -244,6 +244,8 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker, res
                 scheduler.step()
             step += 1
             if first_step_at is None:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # the step has run, not just been queued
                 first_step_at = time.time()
             reason = agreement.after_step()
             debug.after_step(step)
@@ -257,6 +259,11 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker, res
             if cfg.checkpoint_every_n_steps and step % cfg.checkpoint_every_n_steps == 0 and step < total_steps:
                 save(epoch, consumed, step, loss_sum, last_log[1], final)
         last_epoch = step >= total_steps or epoch == cfg.epochs - 1
+        # Stopped by max_steps inside the epoch: the checkpoint keeps that position, so a larger max_steps
+        # continues with the epoch's next batch, as an uninterrupted run would.
+        position = (
+            (epoch, consumed) if step >= total_steps and consumed < (n_batches or sys.maxsize) else (epoch + 1, 0)
+        )
         if (epoch + 1) % cfg.eval_every_n_epochs == 0 or last_epoch:
             metrics = evaluate(model, splits.val, cfg.batch_size, device, autocast, memory_format)
             tracker.log(metrics, step, epoch)
@@ -265,7 +272,7 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: NullTracker, res
                 "epoch %d step %d: val/loss %.4f val/acc %.4f", epoch, step, metrics["val/loss"], metrics["val/acc"]
             )
         if last_epoch or (cfg.checkpoint_every_n_epochs and (epoch + 1) % cfg.checkpoint_every_n_epochs == 0):
-            save(epoch + 1, 0, step, loss_sum, last_log[1], final)
+            save(*position, step, loss_sum, last_log[1], final)
 
     result: dict[str, Any] = {"final": final, "steps": step, "epochs": epoch + 1, "val_samples": len(splits.val)}
     result.update(data_path=type(loader).__name__, precision=precision, channels_last=channels_last)
@@ -327,8 +334,18 @@ def evaluate(model, dataset, batch_size, device, autocast, memory_format=torch.c
     """Exact evaluation: rank r scores samples r, r+N, ... (each sample once, no padding), then sums are reduced.
 
     Runs on the unwrapped module: DDP's forward would broadcast buffers, a collective that hangs when the
-    ranks hold different numbers of batches."""
+    ranks hold different numbers of batches. So rank 0's buffers (BatchNorm's running stats, which each rank
+    updated from its own last batch) are broadcast first, as DDP's next forward would: every rank scores the
+    model the checkpoint holds. Evaluation draws nothing from the training RNG streams (a DataLoader draws its
+    seed), so a run resumed after it continues exactly as one that never stopped there."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    for buffer in model.buffers():
+        dist.broadcast(buffer, 0)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        return _evaluate(model, dataset, batch_size, device, autocast, memory_format, rank, world_size)
+
+
+def _evaluate(model, dataset, batch_size, device, autocast, memory_format, rank, world_size) -> dict[str, float]:  # type: ignore[no-untyped-def]
     was_training = model.training
     model.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
