@@ -91,6 +91,19 @@ def test_truncated_or_foreign_files_are_refused_with_their_name(tmp_path: Path) 
         checkpoint.load(str(foreign))
     with pytest.raises(CheckpointError, match=r"no such file"):
         checkpoint.load(str(tmp_path / "missing.pt"))
+    # Bytes that are no checkpoint at all fail inside the unpickler in many ways (KeyError, IndexError, ...).
+    for i, junk in enumerate([b"hello\n", bytes(random.Random(0).randrange(256) for _ in range(4096)), b""]):
+        path = tmp_path / f"junk{i}.pt"
+        path.write_bytes(junk)
+        with pytest.raises(CheckpointError, match=rf"^checkpoint {path}: refused"):
+            checkpoint.load(str(path))
+
+
+def test_the_newest_valid_checkpoint_is_found_past_a_garbled_one(tmp_path: Path) -> None:
+    for step in (5, 10):
+        checkpoint.save(state(step), str(tmp_path), step, keep_last=3)
+    (tmp_path / "step-00000010.pt").write_bytes(b"hello\n")  # also last.pt's bytes: the same inode
+    assert checkpoint.find_latest(str(tmp_path)) == str(tmp_path / "step-00000005.pt")
 
 
 def test_resume_from_a_malicious_checkpoint_is_refused_before_anything_starts(tmp_path: Path) -> None:
