@@ -54,7 +54,7 @@ def main() -> None:
         sys.exit(report_main(sys.argv[2:]))
     from ddpexp.config import register_configs
     from ddpexp.errors import FAILED, failed_jobs_message, install_error_reporting
-    from ddpexp.sweep import install_skip_completed
+    from ddpexp.sweep import install_record_guard
 
     if not os.path.isdir(CONF_DIR):
         sys.exit(
@@ -62,7 +62,7 @@ def main() -> None:
         )
     register_configs()
     install_error_reporting()
-    install_skip_completed()
+    install_record_guard()
     hydra.main(config_path=os.path.normpath(CONF_DIR), config_name="config", version_base="1.3")(_task)()
     if "ddpexp.run" in sys.modules:  # a multirun that submitted jobs to a scheduler: wait for them now
         FAILED.extend(sys.modules["ddpexp.run"].wait_deferred())

@@ -6,6 +6,7 @@ files are there, so a missing dataset is one clear error instead of N rank trace
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ _TORCHVISION = {
 _STATS = {"MNIST": ((0.1307,), (0.3081,)), "FashionMNIST": ((0.2860,), (0.3530,)),
           "CIFAR10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))}  # fmt: skip
 _SHAPES = {"MNIST": (1, 28, 10), "FashionMNIST": (1, 28, 10), "CIFAR10": (3, 32, 10)}
+DIGITS = 1797  # images in scikit-learn's load_digits()
 
 
 @dataclass
@@ -204,12 +206,9 @@ def prepare(data_cfg: dict) -> None:
     build the in-memory cache if that path applies."""
     if data_cfg.get("_target_") != f"{__name__}.torchvision_dataset":
         return
+    shape(data_cfg)
     name, root = data_cfg["name"], os.path.abspath(data_cfg.get("root", "data"))
-    if name not in _TORCHVISION:
-        raise ConfigError(f"data.name={name!r}: must be one of {', '.join(_TORCHVISION)}")
-    padding, max_mb = data_cfg.get("crop_padding", 0), data_cfg.get("in_memory_max_mb", 4096)
-    if not isinstance(padding, int) or padding < 0:
-        raise ConfigError(f"data.crop_padding={padding!r}: must be an int >= 0 (0: no random crop)")
+    max_mb = data_cfg.get("in_memory_max_mb", 4096)
     if not isinstance(max_mb, (int, float)) or max_mb <= 0:
         raise ConfigError(f"data.in_memory_max_mb={max_mb!r}: must be > 0")
     folder, files = _TORCHVISION[name]
@@ -227,3 +226,35 @@ def prepare(data_cfg: dict) -> None:
     if fits_in_memory(name, root, data_cfg.get("in_memory"), max_mb):
         for train in (True, False):  # decoded and cached once here, not by every rank at once
             tensors(name, root, train)
+
+
+def shape(data_cfg: dict) -> tuple[int, int, int] | None:
+    """(in_channels, image_size, num_classes) of a built-in `data=`, from its config alone (nothing is read), once
+    the keys that size it are checked; None for a user's factory, whose shape is known only once it is built.
+
+    One training sample is enough for a step on every rank: DistributedSampler pads, and the last batch is kept."""
+    factory = {f"{__name__}.{f.__name__}": f for f in (digits, torchvision_dataset, fake)}.get(data_cfg["_target_"])
+    if factory is None:
+        return None
+    kwargs = {k: p.default for k, p in inspect.signature(factory).parameters.items()} | data_cfg
+    if "crop_padding" in kwargs:
+        _check_int(kwargs, "crop_padding", 0, "(0: no random crop)")
+    if factory is digits:
+        fraction = kwargs["val_fraction"]
+        n_val = round(DIGITS * fraction) if isinstance(fraction, (int, float)) else 0
+        if not 0 < n_val < DIGITS:
+            raise ConfigError(f"data.val_fraction={fraction!r}: must leave >= 1 of the {DIGITS} digits to each split")
+        return 1, 8, 10
+    if factory is torchvision_dataset:
+        if data_cfg.get("name") not in _SHAPES:
+            raise ConfigError(f"data.name={data_cfg.get('name')!r}: must be one of {', '.join(_SHAPES)}")
+        return _SHAPES[kwargs["name"]]
+    for key in ("train_size", "val_size", "image_size", "in_channels", "num_classes"):
+        _check_int(kwargs, key, 1)
+    return kwargs["in_channels"], kwargs["image_size"], kwargs["num_classes"]
+
+
+def _check_int(kwargs: dict, key: str, low: int, why: str = "") -> None:
+    value = kwargs[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"data.{key}={value!r}: must be an int >= {low} {why}".rstrip())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -10,6 +11,10 @@ def mlp(
 ) -> Any:
     from torch import nn
 
+    from ddpexp.config import check
+
+    check(_counts(hidden), f"model.hidden={hidden!r}: must be a list of ints >= 1 (layer widths)")
+    check(_number(dropout) and 0 <= dropout < 1, f"model.dropout={dropout!r}: must be >= 0 and < 1")
     dims = [in_channels * image_size * image_size, *hidden]
     layers: list[nn.Module] = [nn.Flatten()]
     for d_in, d_out in zip(dims, dims[1:]):
@@ -23,6 +28,12 @@ def cnn(
     """conv32-conv64-maxpool-fc128: the PyTorch MNIST example's net, without dropout (DDP-reproducible)."""
     from torch import nn
 
+    from ddpexp.config import check
+
+    check(
+        _counts(channels) and len(channels) == 2, f"model.channels={channels!r}: must be two ints >= 1 [conv1, conv2]"
+    )
+    check(_count(hidden), f"model.hidden={hidden!r}: must be an int >= 1")
     c1, c2 = channels
     side = image_size // 2
     return nn.Sequential(
@@ -50,3 +61,15 @@ def resnet(arch: str, num_classes: int, in_channels: int, image_size: int, stem:
     elif in_channels != 3:
         net.conv1 = nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False)
     return net
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _counts(values: Any) -> bool:
+    return isinstance(values, Sequence) and all(map(_count, values))
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

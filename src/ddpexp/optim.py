@@ -12,6 +12,17 @@ def cosine(optimizer: Any, total_steps: int, warmup_steps: int = 0, min_lr_ratio
     """Linear warm-up to the base LR, then cosine decay to `min_lr_ratio` x base LR at `total_steps`."""
     from torch.optim.lr_scheduler import LambdaLR
 
+    from ddpexp.config import check
+
+    check(
+        isinstance(warmup_steps, int) and warmup_steps >= 0,
+        f"scheduler.warmup_steps={warmup_steps!r}: must be an int >= 0",
+    )
+    check(
+        isinstance(min_lr_ratio, (int, float)) and 0 <= min_lr_ratio <= 1,
+        f"scheduler.min_lr_ratio={min_lr_ratio!r}: must be >= 0 and <= 1",
+    )
+
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 import os
 import shlex
@@ -17,7 +18,7 @@ from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ddpexp import data
+from ddpexp import check, data, sweep
 from ddpexp.config import Config, ConfigError
 from ddpexp.job import Job, read_json, write_json
 from ddpexp.launchers import Interrupted, RankFailure, tail
@@ -46,9 +47,11 @@ def run(dcfg: DictConfig) -> float | None:
     if done is not None:
         return done
     data.prepare(cfg.data)
+    check.components(cfg)
 
     from ddpexp import worker  # torch and the training stack, only once the config is known to be good
 
+    sweep.LAUNCHED.add(job.dir)  # from here on, .hydra/ records this attempt
     try:
         waiter = launch(worker.main, cfg, job)
     except RankFailure as e:
@@ -125,6 +128,10 @@ def check_resume(cfg: Config, job: Job) -> float | None:
     from ddpexp import checkpoint
 
     own = checkpoint.find_latest(job.checkpoint_dir) if os.path.isdir(job.checkpoint_dir) else None
+    if own is None:
+        done = earlier_record(cfg, job)
+        if done is not None:
+            return done
     if cfg.resume == "never":
         if own is not None:
             raise ConfigError(
@@ -147,8 +154,40 @@ def check_resume(cfg: Config, job: Job) -> float | None:
         value = summary.get("final", {}).get(cfg.objective)
         print(f"ddpexp: {job.dir} already completed ({cfg.objective}={value}); nothing to do")
         return value
-    print(f"ddpexp: resuming from {source}", flush=True)
+    if own is not None and cfg.resume not in ("auto", "never"):
+        print(f"ddpexp: resuming from {own}, this job's own newest checkpoint (resume={cfg.resume} only starts a job)")
+    else:
+        print(f"ddpexp: resuming from {source}", flush=True)
     return None
+
+
+def earlier_record(cfg: Config, job: Job) -> float | None:
+    """A job dir without checkpoints may still hold an earlier attempt's record (summary.json, metrics.jsonl).
+    Of this very config: completed, there is nothing to do; else it starts over and the record is redone. Of
+    another config (or of none it names): refused, so that no one's results get overwritten or mixed."""
+    summary = read_json(job.summary_path)
+    trained = os.path.isfile(job.metrics_path) and os.path.getsize(job.metrics_path) > 0
+    if summary is None and not trained:
+        return None
+    recorded = {(summary or {}).get("config_sha256"), *(summary or {}).get("config_sha256_per_rank", [])} - {None}
+    # Killed before any summary: Hydra's record of the earlier attempt (.hydra/config.yaml) says which config ran.
+    hydra_dir = os.path.join(job.dir, str(HydraConfig.get().output_subdir))
+    earlier = sweep.EARLIER_HYDRA.get(job.dir, {}).get("config.yaml")
+    same_hydra = earlier is not None and earlier == sweep.read_files(hydra_dir).get("config.yaml")
+    if recorded != {config_sha256(job.config_yaml)} and not (not recorded and same_hydra):
+        raise ConfigError(
+            f"{job.dir} holds the record of another run (summary.json, metrics.jsonl) and no checkpoint to resume; "
+            "use another hydra.run.dir"
+        )
+    if summary is not None and summary.get("status") == "completed":
+        value = summary.get("final", {}).get(cfg.objective)
+        print(f"ddpexp: {job.dir} already completed ({cfg.objective}={value}); nothing to do")
+        return value
+    return None
+
+
+def config_sha256(config_yaml: str) -> str:
+    return hashlib.sha256(config_yaml.encode()).hexdigest()
 
 
 # What decides the numbers a run produces; a checkpoint resumed under other values would not be "the same run".
@@ -263,6 +302,7 @@ def record_failure(job: Job, error: BaseException, wall_time_s: float) -> BaseEx
     summary: dict[str, Any] = read_json(job.summary_path) or {"launcher": job.launcher}
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
     summary.update(status="failed", error=first, wall_time_s=round(wall_time_s, 3))
+    summary.setdefault("config_sha256", config_sha256(job.config_yaml))
     if isinstance(error, RankFailure):
         summary["error_detail"] = error.detail
     write_json(job.summary_path, summary)

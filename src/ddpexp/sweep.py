@@ -1,5 +1,7 @@
-"""Multirun bookkeeping: a sweep run again into the same sweep dir skips the jobs that completed there (their
-files stay untouched) and runs the rest, which resume from their own checkpoints (resume=auto)."""
+"""Job-dir bookkeeping around Hydra's `run_job`. A sweep run again into the same sweep dir skips the jobs that
+completed there (their files stay untouched) and runs the rest, which resume from their own checkpoints
+(resume=auto). Hydra writes a job's .hydra/ record before the job's checks run; when the job then does not start
+(refused, already completed, plan=true), the record it found there is put back as it was."""
 
 from __future__ import annotations
 
@@ -10,36 +12,72 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+# job dir -> its .hydra/ files (name -> bytes) as they were before Hydra rewrote them for this attempt
+EARLIER_HYDRA: dict[str, dict[str, bytes]] = {}
+LAUNCHED: set[str] = set()  # job dirs whose ranks were started (run.run adds them)
 
-def install_skip_completed() -> None:
-    """Wrap hydra-core 1.3's `run_job`, which the BasicLauncher (behind every sweeper, Optuna's too) calls per job.
-    It is patched where it is defined, before Hydra loads its launcher plugin (a fresh import that copies it)."""
+
+def install_record_guard() -> None:
+    """Wrap hydra-core 1.3's `run_job`: where it is defined, before Hydra loads its launcher plugin (a fresh import
+    that copies it; the BasicLauncher calls it per job, behind every sweeper, Optuna's too), and where a single
+    run calls it (hydra._internal.hydra, which imported it already)."""
+    import hydra._internal.hydra as hydra_run
     import hydra.core.utils as hydra_utils
 
     original = hydra_utils.run_job
-    if getattr(original, "__name__", "") == "_skip_completed":
+    if getattr(original, "__name__", "") == "_guarded_run_job":
         return
 
-    def _skip_completed(**kwargs: Any) -> Any:
-        if kwargs.get("job_subdir_key") is None:  # a single run: run.check_resume decides
+    def _guarded_run_job(**kwargs: Any) -> Any:
+        config, subdir_key = kwargs["config"], kwargs.get("job_subdir_key")
+        job_dir = job_dir_of(config, kwargs["job_dir_key"], subdir_key)
+        if subdir_key is not None:  # a single run: run.check_resume decides
+            done = completed_job(config, job_dir)
+            if done is not None:
+                return done
+        if config.hydra.output_subdir is None:
             return original(**kwargs)
-        done = completed_job(kwargs["config"], kwargs["job_dir_key"], kwargs["job_subdir_key"])
-        return done if done is not None else original(**kwargs)
+        hydra_dir = os.path.join(job_dir, str(config.hydra.output_subdir))
+        earlier = EARLIER_HYDRA[job_dir] = read_files(hydra_dir)
+        try:
+            return original(**kwargs)
+        finally:
+            if earlier and job_dir not in LAUNCHED:
+                for name, data in earlier.items():
+                    with open(os.path.join(hydra_dir, name), "wb") as f:
+                        f.write(data)
 
-    hydra_utils.run_job = _skip_completed
+    hydra_utils.run_job = hydra_run.run_job = _guarded_run_job
 
 
-def completed_job(config: DictConfig, job_dir_key: str, job_subdir_key: str | None) -> Any:
-    """A JobReturn for a job that already completed in its dir with the same config, else None."""
+def job_dir_of(config: DictConfig, job_dir_key: str, job_subdir_key: str | None) -> str:
+    """The absolute job dir `run_job` will use (as HydraConfig's runtime.output_dir)."""
     from hydra.core.hydra_config import HydraConfig
-    from hydra.core.utils import JobReturn, JobStatus
-
-    from ddpexp.job import read_json
 
     HydraConfig.instance().set_config(config)  # for ${hydra:...} in the dir names
     job_dir = str(OmegaConf.select(config, job_dir_key))
     if job_subdir_key is not None:
         job_dir = os.path.join(job_dir, str(OmegaConf.select(config, job_subdir_key)))
+    return os.path.abspath(job_dir)
+
+
+def read_files(folder: str) -> dict[str, bytes]:
+    if not os.path.isdir(folder):
+        return {}
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        if os.path.isfile(os.path.join(folder, name)):
+            with open(os.path.join(folder, name), "rb") as f:
+                out[name] = f.read()
+    return out
+
+
+def completed_job(config: DictConfig, job_dir: str) -> Any:
+    """A JobReturn for a job that already completed in its dir with the same config, else None."""
+    from hydra.core.utils import JobReturn, JobStatus
+
+    from ddpexp.job import read_json
+
     summary = read_json(os.path.join(job_dir, "summary.json")) or {}
     if summary.get("status") != "completed":
         return None

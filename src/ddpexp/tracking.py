@@ -35,7 +35,10 @@ class Tracker(NullTracker):
         self.job = job
         # Resuming from step s: the lines after s go (the resumed run writes them again, identically), while W&B,
         # which cannot rewrite history, gets nothing up to the last step it already has.
-        self.logged_until = truncate_metrics(job.metrics_path, resume["step"]) if resume else -1
+        if resume:
+            self.logged_until = truncate_metrics(job.metrics_path, resume["step"])
+        else:  # a fresh start redoes an earlier attempt of this config that left no checkpoint (the parent checked)
+            self.logged_until = truncate_metrics(job.metrics_path, -1) and -1
         self.metrics = open(job.metrics_path, "a", buffering=1)
         self.tty = progress_bar and sys.stderr.isatty()
         self.run, self.wandb_info = init_wandb(wandb_cfg, job, config, resume.get("wandb_id") if resume else None)
