@@ -3,12 +3,15 @@ the failing rank's traceback (exit 1). Hydra's own reporting prints multi-line m
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 CONFIG_EXIT, FAILED_EXIT, INTERRUPTED_EXIT = 2, 1, 130
 FAILED: list[str] = []  # jobs of this multirun that failed, as "job_dir: error"
+HERE = os.path.dirname(__file__)  # ddpexp's code: an error raised there is the job's, not the command line's
 _SKIP = ("full_key:", "object_type=", "reference_type=", "Set the environment variable HYDRA_FULL_ERROR")
 
 
@@ -65,10 +68,51 @@ def report(func: Callable[[], Any]) -> Any:
         if FAILED and "No trials are completed yet" in str(e):  # the Optuna sweeper's end when every trial failed
             print(failed_jobs_message("every trial of the study failed: "), file=sys.stderr)
             sys.exit(FAILED_EXIT)
-        if not is_config_error(e):
+        message = job_dir_error(e) or (one_line(e) if is_config_error(e) else None)
+        if message is None:
             raise
-        print(f"ddpexp: error: {one_line(e)}", file=sys.stderr)
+        print(f"ddpexp: error: {message}", file=sys.stderr)
         sys.exit(CONFIG_EXIT)
+
+
+def job_dir_error(error: BaseException) -> str | None:
+    """Hydra could not create the job dir (hydra.run.dir, or a sweep's dirs) or write its .hydra/ there: that
+    path and why, in one line; None for any other error (an OSError of the job itself is a failure, not this).
+    Bad input like any other (exit 2): nothing started."""
+    cause = error if isinstance(error, OSError) else error.__cause__  # a log file: logging's ValueError from it
+    if not isinstance(cause, OSError):
+        return None
+    import hydra
+
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+    hydra_dir = os.path.dirname(str(hydra.__file__))  # hydra_plugins/ too
+    for i in range(len(frames) - 1, -1, -1):
+        code, local = frames[i].f_code, frames[i].f_locals
+        where = local.get("output_dir") if code.co_name == "run_job" else local.get("sweep_dir")
+        if where is None or not code.co_filename.startswith(hydra_dir):
+            continue
+        if any(f.f_code.co_filename.startswith(HERE) for f in frames[i + 1 :]):
+            return None  # the job ran and failed on its own
+        path = os.path.abspath(str(where))
+        kind = "sweep dir" if code.co_name != "run_job" else "run dir"
+        return f"cannot create {kind} {path}: {why_not_dir(path, cause)}"
+    return None
+
+
+def why_not_dir(path: str, error: OSError) -> str:
+    """Why a folder could not be made or written: the file in its way, else the OS's words (and the path that
+    failed, when it is not `path` itself)."""
+    if isinstance(error, (FileExistsError, NotADirectoryError)):
+        parents = [path]
+        while os.path.dirname(parents[-1]) != parents[-1]:
+            parents.append(os.path.dirname(parents[-1]))
+        in_the_way = next((p for p in parents if os.path.exists(p) and not os.path.isdir(p)), None)
+        if in_the_way:
+            return f"{in_the_way} is a file"
+    why = error.strerror or str(error)
+    if error.filename and os.path.abspath(str(error.filename)) != path:
+        why += f" ({error.filename})"
+    return why
 
 
 def failed_jobs_message(headline: str = "") -> str:
@@ -87,3 +131,43 @@ def install_error_reporting() -> None:
         return original(lambda: report(func))
 
     hydra_utils.run_and_report = _report_then_hydra
+    install_cli_errors()
+
+
+def install_cli_errors() -> None:
+    """Bad command lines as one line, exit 2: hydra.main's argparse errors (its usage and `__main__.py: error:`),
+    and what its `_run_hydra` raises outside run_and_report (--help/--info composing a bad override, `=3`)."""
+    import importlib
+
+    hydra_main = importlib.import_module("hydra.main")  # the module; `hydra.main` is its function
+    make_parser, run_hydra = hydra_main.get_args_parser, hydra_main._run_hydra
+    if getattr(run_hydra, "__name__", "") == "_run_hydra_one_line":
+        return
+
+    def _get_args_parser() -> Any:
+        parser = make_parser()
+        if os.path.basename(parser.prog) == "__main__.py":
+            parser.prog = "python -m ddpexp"  # --help's usage line
+        parser.error = lambda message: _cli_exit(f"{message} (see {parser.prog} --help)")  # type: ignore[method-assign]
+        return parser
+
+    def _run_hydra_one_line(**kwargs: Any) -> Any:
+        for override in getattr(kwargs.get("args"), "overrides", None) or []:
+            if override.lstrip("+~").startswith("="):
+                _cli_exit(f"override {override!r}: no KEY before '=' (overrides are KEY=VALUE)")
+        try:
+            return run_hydra(**kwargs)
+        except Exception as e:  # Hydra's own (the job's own errors reach here only with HYDRA_FULL_ERROR=1)
+            ours = [f for f, _ in traceback.walk_tb(e.__traceback__) if f.f_code.co_filename.startswith(HERE)]
+            if any(f.f_code.co_filename != __file__ for f in ours) or not (
+                is_config_error(e) or isinstance(e, ValueError)
+            ):
+                raise
+            _cli_exit(one_line(e))
+
+    hydra_main.get_args_parser, hydra_main._run_hydra = _get_args_parser, _run_hydra_one_line
+
+
+def _cli_exit(message: str) -> Any:
+    print(f"ddpexp: error: {message}", file=sys.stderr)
+    sys.exit(CONFIG_EXIT)

@@ -49,5 +49,5 @@ def read_json(path: str) -> dict[str, Any] | None:
     try:
         with open(path) as f:
             return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):  # a path under a file: none either
         return None

@@ -196,12 +196,15 @@ def build(paths: list[str], objective: str | None, direction: str | None) -> dic
     jobs = [load_job(d, os.path.relpath(d, base) if d != base else os.path.basename(d)) for d in job_dirs]
     facts = sweep_facts(paths)
     own = next((str(j.config["objective"]) for j in jobs if "objective" in j.config), "val/acc")
-    objective = objective or own
+    asked, objective = objective, objective or own
     if direction is None:  # the sweeper's direction is about the jobs' own objective, not another metric
         swept_direction = facts.get("direction") if objective == own else None
         direction = swept_direction or ("minimize" if objective.endswith("loss") else "maximize")
     jobs = sort_jobs(jobs, objective, direction == "maximize")
     seen = {k for j in jobs for k in j.final}
+    known = sorted(seen or METRICS)  # no job finished: nothing to check a name against but the usual metrics
+    if asked and asked not in known:
+        raise ReportError(f"--objective {objective}: no job has this metric; available: {', '.join(known)}")
     metrics = [objective] + [m for m in (*METRICS, *sorted(seen)) if m in seen and m != objective]
     swept = swept_keys(jobs)
     fixed = [f"{k}={v}" for k, v in jobs[0].overrides.items() if k not in swept] if len(jobs) > 1 else []
@@ -270,11 +273,17 @@ def main(argv: list[str]) -> int:
         print(f"ddpexp: error: {e}", file=sys.stderr)
         return 2
     out_dir = os.path.abspath(args.out or r["out_dir"])
-    os.makedirs(out_dir, exist_ok=True)
     header, rows = table(r["jobs"], r["swept"], r["metrics"])
-    written = plots.write_all(out_dir, r)
-    write_csv(os.path.join(out_dir, "report.csv"), r)
-    write_md(os.path.join(out_dir, "report.md"), r, header, rows, written)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        written = plots.write_all(out_dir, r)
+        write_csv(os.path.join(out_dir, "report.csv"), r)
+        write_md(os.path.join(out_dir, "report.md"), r, header, rows, written)
+    except OSError as e:
+        from ddpexp.errors import why_not_dir
+
+        print(f"ddpexp: error: {out_dir}: cannot write the report there: {why_not_dir(out_dir, e)}", file=sys.stderr)
+        return 2
     lines = [*headline(r), "", text_table(header, rows), *problems(r["jobs"])]
     lines.append(f"ddpexp: wrote {', '.join(['report.md', 'report.csv', *written])} in {out_dir}")
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import socket
 from typing import Any
 
 
@@ -42,3 +43,14 @@ def launcher_schemas() -> dict[str, Any]:
 
 def tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def check_resolves(key: str, host: str, shown: str | None = None) -> None:
+    """Refuse an address that does not resolve: the ranks would retry the rendezvous there until its timeout."""
+    from ddpexp.config import ConfigError
+
+    try:
+        socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(f"{key}={shown or host!r}: cannot resolve host {host!r} ({why})") from None

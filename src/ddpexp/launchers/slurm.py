@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import signal
@@ -43,6 +45,25 @@ class SlurmConfig(LauncherConfig):
         check(self.time_min >= 1, f"launcher.time_min={self.time_min}: must be >= 1")
         check(self.cpus_per_task >= 1, f"launcher.cpus_per_task={self.cpus_per_task}: must be >= 1")
         check(
+            self.gpus_per_node is None or self.gpus_per_node >= 0,
+            f"launcher.gpus_per_node={self.gpus_per_node}: must be >= 0 or null "
+            "(null: one GPU per rank, none with device=cpu)",
+        )
+        check(
+            self.mem_gb is None or self.mem_gb * 1024 >= 1,
+            f"launcher.mem_gb={self.mem_gb}: must be > 0 (at least 1 MiB) or null (null: Slurm's default)",
+        )
+        # Slurm sends the signal this long before the time limit; a delay >= the limit signals (checkpoint,
+        # requeue) as soon as the job starts, every time it starts.
+        limit = min(self.time_min * 60, 65536)  # Slurm takes at most 65535
+        check(
+            0 <= self.signal_delay_s < limit,
+            f"launcher.signal_delay_s={self.signal_delay_s}: must be 0..{limit - 1}, under the job's time limit "
+            f"(launcher.time_min={self.time_min})",
+        )
+        check(self.poll_interval_s > 0, f"launcher.poll_interval_s={self.poll_interval_s}: must be > 0")
+        check(bool(self.job_name.strip()), f"launcher.job_name={self.job_name!r}: must not be empty")
+        check(
             hasattr(signal, f"SIG{self.signal}") and self.signal not in ("INT", "TERM", "KILL"),
             f"launcher.signal={self.signal!r}: must be a signal name without SIG (USR2, USR1, ...), not INT/TERM/KILL",
         )
@@ -76,7 +97,7 @@ def executor(cfg: Any, job: Any) -> Any:
     check(
         gpus_per_node in (0, cfg.gpus),
         f"launcher.gpus_per_node={gpus_per_node} but gpus={cfg.gpus} ranks per node: each rank drives one GPU, "
-        f"set gpus={gpus_per_node} (or gpus_per_node=0 with device=cpu)",
+        f"set gpus={gpus_per_node} (or launcher.gpus_per_node=0 with device=cpu)",
     )
     ex = submitit.SlurmExecutor(folder=os.path.join(job.dir, "submitit"), max_num_timeout=0)
     params = dict(nodes=lc.nodes, ntasks_per_node=cfg.gpus, cpus_per_task=lc.cpus_per_task, time=lc.time_min)
@@ -100,14 +121,29 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> Waiter | None:
     from submitit.core.utils import FailedJobError
 
     ex = executor(cfg, job)
+    said = io.StringIO()
     try:
-        sjob = ex.submit(SlurmTask(worker, cfg, job))
+        with contextlib.redirect_stderr(said):  # submitit prints sbatch's stderr, then raises it: say it once
+            sjob = ex.submit(SlurmTask(worker, cfg, job))
     except FailedJobError as e:  # sbatch refused the job: show Slurm's own words
-        words = [line for line in str(e).splitlines() if line.strip()]
-        raise ConfigError(f"sbatch refused the job: {words[0] if words else e}") from None
+        raise ConfigError(f"sbatch refused the job: {sbatch_refusal(str(e))}") from None
+    sys.stderr.write(said.getvalue())
     print(f"ddpexp: submitted Slurm job {sjob.job_id} ({cfg.launcher.nodes} node(s) x {cfg.gpus} tasks); "
           f"logs in {sjob.paths.folder}", flush=True)  # fmt: skip
     return Waiter(sjob, cfg.launcher.poll_interval_s) if cfg.launcher.wait else None
+
+
+def sbatch_refusal(stderr: str) -> str:
+    """sbatch's reason in one line: its `fatal:` line; else its first `error:` line (the cause, e.g. `invalid
+    partition specified: nope`) and, when there are more, the last (`Batch job submission failed: ...`)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    fatal = [line for line in lines if line.startswith("sbatch: fatal:")]
+    if fatal:
+        return fatal[-1]
+    errors = [line for line in lines if line.startswith("sbatch: error:")]
+    if not errors:
+        return lines[-1] if lines else "no message"
+    return errors[0] if len(errors) == 1 else f"{errors[0]}; {errors[-1].removeprefix('sbatch: ')}"
 
 
 class Waiter:

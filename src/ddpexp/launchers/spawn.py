@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ddpexp.config import LauncherConfig
+from ddpexp.config import LauncherConfig, check
 from ddpexp.faults import forward_signals, terminate
-from ddpexp.launchers import RankFailure, tail
+from ddpexp.launchers import RankFailure, check_resolves, tail
 
 
 @dataclass
@@ -20,6 +20,13 @@ class SpawnConfig(LauncherConfig):
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # null: a free port, bound by this process (no race between jobs)
     inline_single: bool = True  # gpus=1 runs in this process, without spawning
+
+    def __post_init__(self) -> None:
+        check(
+            self.master_port is None or 0 <= self.master_port <= 65535,
+            f"launcher.master_port={self.master_port}: must be a port 0..65535 (0 or null: a free one)",
+        )
+        check_resolves("launcher.master_addr", self.master_addr)
 
 
 def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ddpexp.config import LauncherConfig, check
-from ddpexp.launchers import RankFailure, tail
+from ddpexp.launchers import RankFailure, check_resolves, tail
 
 
 @dataclass
@@ -28,10 +29,66 @@ class TorchrunConfig(LauncherConfig):
         lo, hi = self.node_range()
         check(1 <= lo <= hi, f"launcher.nnodes={self.nnodes!r}: must be N or MIN:MAX with 1 <= MIN <= MAX")
         check(self.max_restarts >= 0, f"launcher.max_restarts={self.max_restarts}: must be >= 0")
+        check(self.rdzv_timeout_s >= 1, f"launcher.rdzv_timeout_s={self.rdzv_timeout_s}: must be >= 1")
+        check(self.monitor_interval_s > 0, f"launcher.monitor_interval_s={self.monitor_interval_s}: must be > 0")
+        self.check_backend()
+        host, port = self.endpoint()
         check(
-            hi == 1 or not self.rdzv_endpoint.endswith(":0"),
+            hi == 1 or port != 0,
             f"launcher.nnodes={self.nnodes}: set launcher.rdzv_endpoint=HOST:PORT, the same on every node",
         )
+        check_resolves("launcher.rdzv_endpoint", host, self.rdzv_endpoint)
+        if self.local_addr is not None:
+            check_resolves("launcher.local_addr", self.local_addr)
+
+    def check_backend(self) -> None:
+        """The rendezvous backends torch's elastic agent registers (torch.distributed.elastic.rendezvous.registry),
+        less `static`, which needs a node rank ddpexp does not pass; plugins of the `torchrun.handlers` group."""
+        from importlib.metadata import entry_points
+        from importlib.util import find_spec
+
+        backend = self.rdzv_backend
+        plugins = {ep.name for ep in entry_points(group="torchrun.handlers")}
+        if backend in plugins:
+            return
+        check(
+            backend != "static",
+            "launcher.rdzv_backend='static': needs a fixed node rank, which ddpexp does not pass; use c10d",
+        )
+        known = ("c10d", "etcd", "etcd-v2", *sorted(plugins))
+        check(backend in known, f"launcher.rdzv_backend={backend!r}: must be one of {', '.join(known)}")
+        check(
+            not backend.startswith("etcd") or find_spec("etcd") is not None,
+            f"launcher.rdzv_backend={backend!r}: needs the python-etcd package (pip install python-etcd) and an "
+            "etcd server at launcher.rdzv_endpoint",
+        )
+
+    def endpoint(self) -> tuple[str, int | None]:
+        """HOST[:PORT] as torch parses it (rendezvous.utils.parse_rendezvous_endpoint); no port: the backend's
+        default (c10d 29400, etcd 2379)."""
+        text = self.rdzv_endpoint.strip()
+        key = f"launcher.rdzv_endpoint={self.rdzv_endpoint!r}"
+        check(bool(text), f"{key}: must be HOST:PORT (localhost:0: a free port, single node)")
+        if text.startswith("[") and text.endswith("]"):
+            host, port_text = text, None
+        else:
+            host, sep, port_text = text.rpartition(":")
+            if not sep:
+                host, port_text = text, None
+        if len(host) > 1 and host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        port = None
+        if port_text is not None:
+            check(
+                port_text.isdigit() and int(port_text) <= 65535,
+                f"{key}: the port must be a number 0..65535 (0: a free one, single node)",
+            )
+            port = int(port_text)
+        check(
+            re.fullmatch(r"[\w.:-]+", host) is not None,
+            f"{key}: the host must be a name, an IPv4 address or an [IPv6] address",
+        )
+        return host, port
 
     def node_range(self) -> tuple[int, int]:
         try:

@@ -1,0 +1,175 @@
+"""Bad input of every kind stops before any rank starts: exactly one `ddpexp: error:` line on stderr, exit 2.
+
+Launcher keys, the command line itself, a run dir that cannot be made, sbatch refusing, `ddpexp report`'s
+arguments; the launchers' dataclass checks also in-process, where that is cheaper than a command."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_ddpexp
+from ddpexp.config import ConfigError
+from ddpexp.launchers.slurm import SlurmConfig, sbatch_refusal
+from ddpexp.launchers.spawn import SpawnConfig
+from ddpexp.launchers.torchrun import TorchrunConfig
+
+NO_HOST = "no-such-host.invalid"  # RFC 6761: never resolves
+
+# (command-line arguments, a word of the message); each runs with hydra.run.dir=run in a temp dir holding `afile`
+BAD_COMMANDS = [
+    (["launcher.master_port=-1"], "launcher.master_port=-1: must be a port 0..65535"),
+    (["launcher.master_port=70000"], "launcher.master_port=70000: must be a port 0..65535"),
+    ([f"launcher.master_addr={NO_HOST}"], f"cannot resolve host '{NO_HOST}'"),
+    (["launcher=torchrun", "launcher.rdzv_backend=bogus"], "launcher.rdzv_backend='bogus': must be one of c10d"),
+    (["launcher=torchrun", "launcher.rdzv_endpoint=localhost:99999"], "the port must be a number 0..65535"),
+    (["launcher=torchrun", f"launcher.rdzv_endpoint={NO_HOST}"], f"cannot resolve host '{NO_HOST}'"),
+    (["launcher=torchrun", "launcher.monitor_interval_s=-1"], "launcher.monitor_interval_s=-1.0: must be > 0"),
+    (["launcher=torchrun", "launcher.rdzv_timeout_s=-1"], "launcher.rdzv_timeout_s=-1: must be >= 1"),
+    (["launcher=slurm", "gpus=2", "launcher.signal_delay_s=-5"], "launcher.signal_delay_s=-5: must be 0..3599"),
+    (["launcher=slurm", "gpus=2", "launcher.mem_gb=-1"], "launcher.mem_gb=-1.0: must be > 0"),
+    (["launcher=slurm", "gpus=2", "launcher.gpus_per_node=-1"], "launcher.gpus_per_node=-1: must be >= 0 or null"),
+    (["=3"], "override '=3': no KEY before '='"),
+    (["--help", "epochs=abc"], "Error merging override epochs=abc"),
+    (["--info", "config", "epochs=abc"], "Error merging override epochs=abc"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--cfg", "jbo"], "argument --cfg/-c: invalid choice: 'jbo'"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_COMMANDS, ids=[" ".join(a) for a, _ in BAD_COMMANDS])
+def test_bad_command_is_one_line_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    proc = run_ddpexp(*args, "hydra.run.dir=run", cwd=tmp_path, check=False)
+    assert_one_line(proc, message)
+    assert not (tmp_path / "run" / "logs").exists()  # no rank started
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["hydra.run.dir=/proc/ddpexp-run"], "cannot create run dir /proc/ddpexp-run: No such file or directory"),
+        (["hydra.run.dir=afile/sub"], "cannot create run dir {tmp}/afile/sub: {tmp}/afile is a file"),
+        (["hydra.run.dir=afile"], "cannot create run dir {tmp}/afile: {tmp}/afile is a file"),
+        (["-m", "hydra.sweep.dir=afile/sweep"], "cannot create sweep dir {tmp}/afile/sweep: {tmp}/afile is a file"),
+    ],
+    ids=["under /proc", "under a file", "a file", "sweep dir under a file"],
+)
+def test_a_run_dir_that_cannot_be_made_is_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    (tmp_path / "afile").write_text("")
+    proc = run_ddpexp(*args, cwd=tmp_path, check=False)
+    assert_one_line(proc, message.format(tmp=tmp_path))
+
+
+def test_sbatch_refusal_is_its_fatal_line(tmp_path: Path) -> None:
+    """sbatch without a reachable Slurm configuration: 4 lines of stderr, the last one fatal; exactly as here."""
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text(
+        "#!/bin/sh\n"
+        "echo 'sbatch: error: resolve_ctls_from_dns_srv: res_nsearch error: Unknown host' >&2\n"
+        "echo 'sbatch: error: fetch_config: DNS SRV lookup failed' >&2\n"
+        "echo 'sbatch: error: _establish_config_source: failed to fetch config' >&2\n"
+        "echo 'sbatch: fatal: Could not establish a configuration source' >&2\n"
+        "exit 1\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    path = f"{fake.parent}{os.pathsep}{Path(sys.executable).parent}{os.pathsep}/usr/bin{os.pathsep}/bin"
+    proc = run_ddpexp("launcher=slurm", "gpus=2", "device=cpu", "hydra.run.dir=run", cwd=tmp_path, check=False,
+                      env={"PATH": path})  # fmt: skip
+    assert_one_line(proc, "sbatch refused the job: sbatch: fatal: Could not establish a configuration source")
+
+
+def test_sbatch_refusal_picks_the_cause_and_the_verdict() -> None:
+    partition = "sbatch: error: invalid partition specified: nope\n" + (
+        "sbatch: error: Batch job submission failed: Invalid partition name specified\n"
+    )
+    assert sbatch_refusal(partition) == (
+        "sbatch: error: invalid partition specified: nope; error: Batch job submission failed: "
+        "Invalid partition name specified"
+    )
+    assert sbatch_refusal("sbatch: error: one\n") == "sbatch: error: one"
+    assert sbatch_refusal("\nsomething else\n") == "something else"
+    assert sbatch_refusal("") == "no message"
+
+
+def write_record(job: Path) -> None:
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("- epochs=2\n")
+    final = {"train/loss": 0.2, "val/loss": 0.25, "val/acc": 0.9}
+    (job / "summary.json").write_text(json.dumps({"status": "completed", "final": final, "steps": 24}))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--objective", "foo"], "--objective foo: no job has this metric; available: train/loss, val/acc, val/loss"),
+        (["--out", "afile/x"], "{tmp}/afile/x: cannot write the report there: {tmp}/afile is a file"),
+    ],
+    ids=["unknown objective", "out under a file"],
+)
+def test_bad_report_arguments_are_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    write_record(tmp_path / "job")
+    (tmp_path / "afile").write_text("")
+    proc = run_ddpexp("report", *args, "job", cwd=tmp_path, check=False)
+    assert_one_line(proc, message.format(tmp=tmp_path))
+    assert proc.stdout == "" and not (tmp_path / "job" / "report.md").exists()
+
+
+def assert_one_line(proc: subprocess.CompletedProcess[str], message: str) -> None:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("ddpexp: error: "), proc.stderr
+    assert message in lines[0], lines[0]
+
+
+# The launchers' checks, in-process: (dataclass, keys, message)
+BAD_LAUNCHER_KEYS = [
+    (SpawnConfig, {"master_port": 65536}, "must be a port 0..65535"),
+    (SpawnConfig, {"master_addr": ""}, "cannot resolve host ''"),
+    (TorchrunConfig, {"rdzv_backend": "static"}, "needs a fixed node rank"),
+    (TorchrunConfig, {"rdzv_endpoint": "localhost:"}, "the port must be a number 0..65535"),
+    (TorchrunConfig, {"rdzv_endpoint": "host/x:29400"}, "the host must be a name, an IPv4 address"),
+    (TorchrunConfig, {"rdzv_endpoint": ""}, "must be HOST:PORT"),
+    (TorchrunConfig, {"monitor_interval_s": 0}, "launcher.monitor_interval_s=0: must be > 0"),
+    (TorchrunConfig, {"local_addr": NO_HOST}, f"launcher.local_addr='{NO_HOST}': cannot resolve host"),
+    (TorchrunConfig, {"nnodes": "2"}, "set launcher.rdzv_endpoint=HOST:PORT"),
+    (SlurmConfig, {"mem_gb": 0}, "launcher.mem_gb=0: must be > 0"),
+    (SlurmConfig, {"mem_gb": 0.0001}, "must be > 0 (at least 1 MiB)"),
+    (SlurmConfig, {"time_min": 1}, "launcher.signal_delay_s=90: must be 0..59, under the job's time limit"),
+    (SlurmConfig, {"time_min": 100000, "signal_delay_s": 70000}, "must be 0..65535"),
+    (SlurmConfig, {"gpus_per_node": -2}, "launcher.gpus_per_node=-2: must be >= 0 or null"),
+    (SlurmConfig, {"poll_interval_s": 0}, "launcher.poll_interval_s=0: must be > 0"),
+    (SlurmConfig, {"job_name": " "}, "launcher.job_name=' ': must not be empty"),
+]
+
+
+@pytest.mark.parametrize(
+    ("schema", "keys", "message"), BAD_LAUNCHER_KEYS, ids=[f"{s.__name__} {k}" for s, k, _ in BAD_LAUNCHER_KEYS]
+)
+def test_launcher_checks(schema: type, keys: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        schema(**keys)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("schema", "keys"),
+    [
+        (SpawnConfig, {}),
+        (SpawnConfig, {"master_port": 0, "master_addr": "localhost"}),
+        (TorchrunConfig, {}),
+        (TorchrunConfig, {"rdzv_endpoint": "localhost"}),  # torch's default port (c10d: 29400)
+        (TorchrunConfig, {"rdzv_endpoint": "[::1]:29400", "nnodes": "1:2"}),
+        (TorchrunConfig, {"rdzv_endpoint": "127.0.0.1:29400", "nnodes": "2"}),
+        (SlurmConfig, {}),
+        (SlurmConfig, {"mem_gb": 0.5, "signal_delay_s": 0, "gpus_per_node": 0}),
+    ],
+)
+def test_launcher_checks_accept_good_keys(schema: type, keys: dict) -> None:
+    schema(**keys)
