@@ -72,7 +72,9 @@ def test_another_sweep_into_a_finished_sweep_dir_leaves_its_jobs_as_they_were(tm
     sweep = tmp_path / "sweep"
     run_ddpexp("-m", *ONE_RANK, "seed=0,1", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     record = {i: files(sweep / str(i)) for i in (0, 1)}
+    sweep_yaml = (sweep / "multirun.yaml").read_bytes()
     other = run_ddpexp("-m", *ONE_RANK, "seed=2,3", f"hydra.sweep.dir={sweep}", cwd=tmp_path, check=False)
     assert other.returncode == 1 and "2 job(s) of the sweep failed" in other.stderr, other.stderr
     assert other.stderr.count("failed: resume:") == 2 and "different data.seed, seed;" in other.stderr
     assert {i: files(sweep / str(i)) for i in (0, 1)} == record
+    assert (sweep / "multirun.yaml").read_bytes() == sweep_yaml  # no job of the other sweep ran

@@ -222,7 +222,7 @@ def prepare(data_cfg: dict) -> None:
         try:
             torchvision_dataset(name, root, download=True, in_memory=False)
         except Exception as e:  # torchvision raises URLError, HTTPError or RuntimeError depending on the mirror
-            raise ConfigError(f"data.download=true: could not download {name} to {root} ({e}); no network?") from e
+            raise ConfigError(f"data.download=true: could not download {name} to {root} ({e}); no network?") from None
     if fits_in_memory(name, root, data_cfg.get("in_memory"), max_mb):
         for train in (True, False):  # decoded and cached once here, not by every rank at once
             tensors(name, root, train)

@@ -48,6 +48,37 @@ def install_record_guard() -> None:
                         f.write(data)
 
     hydra_utils.run_job = hydra_run.run_job = _guarded_run_job
+    _guard_multirun_yaml()
+
+
+def _guard_multirun_yaml() -> None:
+    """The basic sweeper rewrites the sweep dir's multirun.yaml first thing: put it back if no job then ran. Its
+    class is re-created when Hydra scans its plugins, so the sweeper is wrapped as Hydra makes it."""
+    from hydra.core.plugins import Plugins
+
+    original = Plugins.instantiate_sweeper
+
+    def _instantiate_sweeper(self: Any, **kwargs: Any) -> Any:
+        sweeper = original(self, **kwargs)
+        sweep, path = sweeper.sweep, os.path.join(str(kwargs["config"].hydra.sweep.dir), "multirun.yaml")
+
+        def guarded_sweep(arguments: list[str]) -> Any:
+            earlier = None
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    earlier = f.read()
+            launched = len(LAUNCHED)
+            try:
+                return sweep(arguments)
+            finally:
+                if earlier is not None and len(LAUNCHED) == launched:
+                    with open(path, "wb") as f:
+                        f.write(earlier)
+
+        sweeper.sweep = guarded_sweep
+        return sweeper
+
+    Plugins.instantiate_sweeper = _instantiate_sweeper  # type: ignore[method-assign]
 
 
 def job_dir_of(config: DictConfig, job_dir_key: str, job_subdir_key: str | None) -> str:
