@@ -88,7 +88,10 @@ def main(cfg: Config, job: Job) -> None:
         )
         log.warning("%s: stopped at step %d, checkpoint %s", e.signal, e.step, e.path)
     except BaseException as e:
-        log.exception("rank %d failed", rank)
+        # The traceback to this rank's log file only: the launcher shows the failing rank's once, not every echo.
+        handlers[0].handle(
+            log.makeRecord(log.name, logging.ERROR, __file__, 0, "rank %d failed", (rank,), sys.exc_info())
+        )
         summary["error"] = f"{type(e).__name__}: {e} (rank {rank})"
         write_json(job.error_path(rank), {"rank": rank, "time": time.time(), "traceback": traceback.format_exc()})
         raise
@@ -406,8 +409,6 @@ def _setup_logging(job: Job, rank: int) -> list[logging.Handler]:
     for h in handlers:
         h.setFormatter(logging.Formatter(f"[%(asctime)s][rank{rank}] %(message)s", "%H:%M:%S"))
         logger.addHandler(h)
-    # Tracebacks go to the rank's file only: the launcher shows the failing rank's once, not every rank's echo.
-    handlers[-1].addFilter(lambda record: record.exc_info is None or len(handlers) == 1)
     return handlers
 
 
