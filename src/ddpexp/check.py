@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpexp import data
-from ddpexp.config import Config, ConfigError, check
+from ddpexp.config import Config, ConfigError, check, is_number
 
 DRY_STEPS = 3  # scheduler steps taken: a StepLR with step_size=0 fails on its first
 
@@ -51,11 +51,11 @@ def components(cfg: Config) -> None:
 def check_values(cfg: Config) -> None:
     """Values PyTorch accepts at construction but that break or silently spoil a run."""
     lr = cfg.optimizer.get("lr", 0)
-    check(_number(lr) and lr >= 0, f"optimizer.lr={lr!r}: must be a number >= 0")
+    check(is_number(lr) and lr >= 0, f"optimizer.lr={lr!r}: must be a number >= 0")
     if cfg.scheduler:
         step_size, gamma = cfg.scheduler.get("step_size", 1), cfg.scheduler.get("gamma", 1)
-        check(_number(step_size) and step_size >= 1, f"scheduler.step_size={step_size!r}: must be >= 1 (steps)")
-        check(_number(gamma) and gamma > 0, f"scheduler.gamma={gamma!r}: must be > 0 (the LR's factor)")
+        check(is_number(step_size) and step_size >= 1, f"scheduler.step_size={step_size!r}: must be >= 1 (steps)")
+        check(is_number(gamma) and gamma > 0, f"scheduler.gamma={gamma!r}: must be > 0 (the LR's factor)")
 
 
 def _model(cfg: Config, in_channels: int, image_size: int, num_classes: int) -> Any:
@@ -112,7 +112,3 @@ def _call(node: dict) -> str:
 def _data_keys(node: dict) -> str:
     keys = [f"data.{k}={node[k]}" for k in ("name", "in_channels", "image_size") if k in node]
     return ", ".join(keys) or f"data={node['_target_'].rsplit('.', 1)[-1]}"
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

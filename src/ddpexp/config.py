@@ -25,6 +25,11 @@ def check(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def is_number(value: Any) -> bool:
+    """An int or float, not a bool (YAML's true is an int to Python)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
     check(value in choices, f"{key}={value!r}: must be one of {', '.join(choices)}")
 

@@ -11,10 +11,10 @@ def mlp(
 ) -> Any:
     from torch import nn
 
-    from ddpexp.config import check
+    from ddpexp.config import check, is_number
 
     check(_counts(hidden), f"model.hidden={hidden!r}: must be a list of ints >= 1 (layer widths)")
-    check(_number(dropout) and 0 <= dropout < 1, f"model.dropout={dropout!r}: must be >= 0 and < 1")
+    check(is_number(dropout) and 0 <= dropout < 1, f"model.dropout={dropout!r}: must be >= 0 and < 1")
     dims = [in_channels * image_size * image_size, *hidden]
     layers: list[nn.Module] = [nn.Flatten()]
     for d_in, d_out in zip(dims, dims[1:]):
@@ -69,7 +69,3 @@ def _count(value: Any) -> bool:
 
 def _counts(values: Any) -> bool:
     return isinstance(values, Sequence) and all(map(_count, values))
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

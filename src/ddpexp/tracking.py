@@ -38,7 +38,8 @@ class Tracker(NullTracker):
         if resume:
             self.logged_until = truncate_metrics(job.metrics_path, resume["step"])
         else:  # a fresh start redoes an earlier attempt of this config that left no checkpoint (the parent checked)
-            self.logged_until = truncate_metrics(job.metrics_path, -1) and -1
+            truncate_metrics(job.metrics_path, -1)
+            self.logged_until = -1
         self.metrics = open(job.metrics_path, "a", buffering=1)
         self.tty = progress_bar and sys.stderr.isatty()
         self.run, self.wandb_info = init_wandb(wandb_cfg, job, config, resume.get("wandb_id") if resume else None)
