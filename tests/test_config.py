@@ -48,7 +48,7 @@ def test_launcher_modules_have_yaml() -> None:
 
 MODEL_SHAPES = [
     (name, shape)
-    for name in (n for g, n in OPTIONS if g == "model")
+    for name in (n for g, n in OPTIONS if g == "model" and n != "gpt")  # gpt reads tokens: see below
     for shape in [(1, 28), (3, 32), (1, 8)]
     if not (shape == (1, 8) and name in ("resnet50", "resnet101"))  # one 8-px ResNet (resnet18) is enough
 ]
@@ -66,6 +66,23 @@ def test_models_fit_the_data_shape(name: str, shape: tuple[int, int]) -> None:
         instantiate(cfg.model, _partial_=True), num_classes=7, in_channels=in_channels, image_size=size
     )
     assert model(torch.zeros(2, in_channels, size, size)).shape == (2, 7)
+
+
+def test_gpt_is_causal_and_fits_the_text_data() -> None:
+    import torch
+
+    from ddpexp.optim import call_accepting
+
+    cfg = make_config("model=gpt", "data=stdlib_text", "task=language_model", "data.block_size=16")
+    model = call_accepting(instantiate(cfg.model, _partial_=True), vocab_size=98, block_size=16).eval()
+    tokens = torch.randint(0, 98, (2, 16), generator=torch.Generator().manual_seed(0))
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % 98
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    assert a.shape == (2, 16, 98)
+    assert torch.equal(a[:, :10], b[:, :10]) and not torch.equal(a[:, 10:], b[:, 10:])  # no peeking ahead
+    assert model.lm_head.weight is model.wte.weight
 
 
 def test_tutorial_preset_reproduces_the_seed_setup() -> None:
@@ -131,7 +148,7 @@ def test_resolved_once_in_the_parent() -> None:
 
 
 BAD_INPUT = [
-    (["model=nope"], "Could not find 'model/nope'. Available options in 'model': cnn, mlp, resnet101"),
+    (["model=nope"], "Could not find 'model/nope'. Available options in 'model': cnn, gpt, mlp, resnet101"),
     (["nosuchkey=1"], "Could not override 'nosuchkey'"),
     (["epochs=abc"], "epochs=abc. Value 'abc' of type 'str' could not be converted to Integer"),
     (["gpus=0"], "gpus=0: must be >= 1"),

@@ -152,7 +152,11 @@ def test_speed_defaults_are_fp32_on_cpu_and_fast_on_cuda(monkeypatch: pytest.Mon
     from ddpexp.speed import speed_defaults
 
     cfg = Config(
-        launcher={"_target_": "x"}, model={"_target_": "x"}, data={"_target_": "x"}, optimizer={"_target_": "x"}
+        launcher={"_target_": "x"},
+        model={"_target_": "x"},
+        data={"_target_": "x"},
+        task={"_target_": "x"},
+        optimizer={"_target_": "x"},
     )
     conv, dense = cnn(10, 1, 28), mlp(10, 1, 28)
     assert speed_defaults(cfg, CPU, conv) == ("fp32", False)

@@ -1,6 +1,7 @@
-"""The parent's dry build of a run's parts, before any rank starts: model, optimizer and scheduler are built on
-PyTorch's meta device (no memory, no compute) and one batch of the data's shape goes through the model, so a bad
-model, data, optimizer or scheduler value is one ConfigError line here instead of a traceback from every rank."""
+"""The parent's dry build of a run's parts, before any rank starts: the task is built and its methods checked; the
+model, optimizer and scheduler are built on PyTorch's meta device (no memory, no compute) and one batch of the
+data's shape goes through the model and the task's loss and metrics, so a bad model, data, task, optimizer or
+scheduler value is one ConfigError line here instead of a traceback from every rank."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ddpexp import data
 from ddpexp.config import Config, ConfigError, check, is_number
 
 DRY_STEPS = 3  # scheduler steps taken: a StepLR with step_size=0 fails on its first
+GROUPS = ("model", "data", "task", "optimizer", "scheduler")
 
 
 def components(cfg: Config) -> None:
@@ -22,19 +24,23 @@ def components(cfg: Config) -> None:
     from hydra.utils import instantiate
 
     from ddpexp.optim import call_accepting
+    from ddpexp.tasks import check_interface
 
-    for group in ("model", "data", "optimizer", "scheduler"):
+    for group in GROUPS:
         if getattr(cfg, group):
             _resolve(group, getattr(cfg, group))
     check_values(cfg)
-    shape = data.shape(cfg.data)
+    task_name = f"task={cfg.task['_target_']}"
+    task = _build(task_name, lambda: instantiate(cfg.task, _convert_="all"))
+    check_interface(task, task_name)
+    example = data.example(cfg.data)
     # The ranks warn about their real build; the dry one keeps stderr to the one error line.
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if shape is None:  # a user's dataset: its shape is known once built, in the ranks; check the rest
+        if example is None:  # a user's dataset: its shape is known once built, in the ranks; check the rest
             params = [torch.nn.Parameter(torch.empty(1))]
         else:
-            params = list(_model(cfg, *shape).parameters())
+            params = list(_model_and_task(cfg, task, task_name, *example).parameters())
         optimizer = _build(f"optimizer={_call(cfg.optimizer)}", lambda: instantiate(cfg.optimizer)(params))
         if not cfg.scheduler:
             return
@@ -58,20 +64,54 @@ def check_values(cfg: Config) -> None:
         check(is_number(gamma) and gamma > 0, f"scheduler.gamma={gamma!r}: must be > 0 (the LR's factor)")
 
 
-def _model(cfg: Config, in_channels: int, image_size: int, num_classes: int) -> Any:
-    import torch
+def _model_and_task(cfg: Config, task: Any, task_name: str, facts: dict[str, Any], batch: Callable) -> Any:
+    """The model built from the data's facts, one meta batch through it and through the task's loss and
+    metrics; `objective` checked against the metrics' names. Returns the model."""
     from hydra.utils import instantiate
 
     from ddpexp.optim import call_accepting
+    from ddpexp.tasks import check_loss, check_metrics, finalize
 
     name = f"model={_call(cfg.model)}"
-    sizes = dict(num_classes=num_classes, in_channels=in_channels, image_size=image_size)
-    model = _build(name, lambda: call_accepting(instantiate(cfg.model, _partial_=True), **sizes))
-    images = f"{in_channels}x{image_size}x{image_size} images ({_data_keys(cfg.data)})"
-    out = _build(f"{name} on {images}", lambda: model(torch.empty(2, in_channels, image_size, image_size)))
-    got = tuple(getattr(out, "shape", ()))
-    check(got == (2, num_classes), f"{name}: outputs {got} for 2 {images}; the data has {num_classes} classes")
+    model = _build(name, lambda: call_accepting(instantiate(cfg.model, _partial_=True), **facts))
+    shapes = f"{_facts(facts)} ({_data_keys(cfg.data)})"
+    out = _on_meta(f"{name} on {shapes}", lambda: model(batch(2)[0]))
+    if "num_classes" in facts and isinstance(task, _builtin("Classification")):
+        got = tuple(getattr(out, "shape", ()))
+        check(got == (2, facts["num_classes"]), f"{name}: outputs {got} for 2 samples of {shapes}; the data has {facts['num_classes']} classes")  # fmt: skip
+    _on_meta(f"{task_name}.loss", lambda: check_loss(task.loss(model, batch(2)), task_name))
+    scores = _on_meta(f"{task_name}.metrics", lambda: check_metrics(task.metrics(model, batch(2)), task_name))
+    if scores is not None and cfg.objective != "train/loss":
+        try:  # the names finalize adds (ppl, r2), from stand-in averages
+            names = list(finalize(task, {k: 1.0 for k in scores}))
+        except Exception:  # a finalize that needs real values: the ranks check the objective after the first eval
+            return model
+        logged = [f"val/{k}" for k in names if not k.startswith("_")]
+        check(
+            cfg.objective in logged,
+            f"objective={cfg.objective}: {task_name} logs no such metric; it logs train/loss, {', '.join(logged)}",
+        )
     return model
+
+
+def _on_meta(what: str, run: Callable[[], Any]) -> Any:
+    """`run()` on meta tensors; None where the code needs real values (`.item()`, data-dependent shapes), which
+    the meta device cannot give: that part is then checked by the ranks, on real data."""
+    try:
+        return run()
+    except ConfigError:
+        raise
+    except Exception as e:
+        if "meta" in str(e).lower() or isinstance(e, NotImplementedError):
+            return None
+        lines = str(e).strip().splitlines()
+        raise ConfigError(f"{what}: {type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")) from e
+
+
+def _builtin(name: str) -> type:
+    from ddpexp import tasks
+
+    return getattr(tasks, name)
 
 
 def _build(what: str, build: Callable[[], Any]) -> Any:
@@ -81,6 +121,8 @@ def _build(what: str, build: Callable[[], Any]) -> Any:
     except ConfigError:
         raise
     except Exception as e:
+        if isinstance(e.__cause__, ConfigError):  # raised in a constructor that Hydra's instantiate called
+            raise e.__cause__ from None
         lines = str(e).strip().splitlines()
         raise ConfigError(f"{what}: {type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")) from e
 
@@ -109,6 +151,12 @@ def _call(node: dict) -> str:
     return f"{node['_target_']}({kwargs})"
 
 
+def _facts(facts: dict[str, Any]) -> str:
+    if "image_size" in facts:
+        return f"{facts['in_channels']}x{facts['image_size']}x{facts['image_size']} images"
+    return ", ".join(f"{k}={v}" for k, v in facts.items())
+
+
 def _data_keys(node: dict) -> str:
-    keys = [f"data.{k}={node[k]}" for k in ("name", "in_channels", "image_size") if k in node]
+    keys = [f"data.{k}={node[k]}" for k in ("name", "in_channels", "image_size", "block_size") if k in node]
     return ", ".join(keys) or f"data={node['_target_'].rsplit('.', 1)[-1]}"

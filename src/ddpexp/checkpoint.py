@@ -12,13 +12,9 @@ import os
 import random
 from typing import Any
 
-from ddpexp.config import ConfigError
+from ddpexp.exceptions import CheckpointError
 
 MARKER = "latest"
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be trusted: unreadable, truncated, or holding pickled code."""
 
 
 def rng_state() -> dict[str, Any]:

@@ -11,13 +11,11 @@ from typing import Any, ClassVar
 
 from omegaconf import MISSING
 
+from ddpexp.exceptions import ConfigError
+
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cuda", "cpu")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
-
-
-class ConfigError(ValueError):
-    """A bad configuration value; printed as one line, exit code 2."""
 
 
 def check(ok: bool, msg: str) -> None:
@@ -90,8 +88,9 @@ class DebugConfig:
 @dataclass
 class Config:
     launcher: Any = MISSING  # a LauncherConfig subclass, chosen by `launcher=`
-    model: Any = MISSING  # {_target_: ..., **kwargs}; called with num_classes/in_channels/image_size it accepts
+    model: Any = MISSING  # {_target_: ..., **kwargs}; called with the data's facts it accepts (num_classes, ...)
     data: Any = MISSING  # {_target_: ..., **kwargs}; returns ddpexp.data.Splits
+    task: Any = MISSING  # {_target_: ..., **kwargs}; loss and metrics (ddpexp.tasks)
     optimizer: Any = MISSING  # {_target_: torch.optim.X, _partial_: true, ...}
     scheduler: Any = None  # {_target_: ..., _partial_: true, ...} or null
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -107,7 +106,7 @@ class Config:
     precision: str = "auto"  # auto: bf16 autocast on a CUDA GPU that has bf16, else fp32 (bit-exact)
     clip_grad_norm: float | None = None
     seed: int = 0
-    objective: str = "val/acc"  # the final metric a job returns to a sweeper (Optuna's study optimizes it)
+    objective: str = "val/acc"  # the final metric a job returns to a sweeper (Optuna's study optimizes it): any it logs
     dist_timeout_s: float = 300.0  # a collective waiting longer than this fails the job instead of hanging it
     log_every_n_steps: int = 10
     eval_every_n_epochs: int = 1
@@ -127,7 +126,10 @@ class Config:
         check(self.gpus is None or self.gpus >= 1, f"gpus={self.gpus}: must be >= 1 (processes per node)")
         check_choice("device", self.device, DEVICES)
         check_choice("precision", self.precision, PRECISIONS)
-        check_choice("objective", self.objective, ("val/acc", "val/loss", "train/loss"))
+        check(
+            self.objective == "train/loss" or (self.objective.startswith("val/") and len(self.objective) > 4),
+            f"objective={self.objective!r}: must be train/loss or val/NAME, a metric the task logs (val/acc, val/loss, ...)",
+        )
         check(self.epochs >= 1, f"epochs={self.epochs}: must be >= 1")
         check(self.max_steps is None or self.max_steps >= 1, f"max_steps={self.max_steps}: must be >= 1 or null")
         check(self.batch_size >= 1, f"batch_size={self.batch_size}: must be >= 1 (per process)")
@@ -145,7 +147,7 @@ class Config:
             check(value is None or value >= 1, f"{key}={value}: must be >= 1 or null")
         check(bool(self.resume), "resume='': must be auto, never or a checkpoint PATH")
         check(self.num_workers >= 0, f"num_workers={self.num_workers}: must be >= 0")
-        for group in ("model", "data", "optimizer"):
+        for group in ("model", "data", "task", "optimizer"):
             node = getattr(self, group)
             check(
                 isinstance(node, dict) and "_target_" in node,

@@ -1,4 +1,6 @@
-"""Datasets behind `data=`: each factory returns Splits (train, val and the shape facts the model needs).
+"""Datasets behind `data=`: each factory returns Splits (train, val and the facts a model needs to fit them):
+images (digits, MNIST, FashionMNIST, CIFAR-10, FakeData), tabular regression (diabetes) and character-level text
+(stdlib_text), all real and offline except the torchvision sets, which download once when asked.
 
 The parent calls `prepare()` once before any rank starts: it downloads when asked and otherwise checks that the
 files are there, so a missing dataset is one clear error instead of N rank tracebacks.
@@ -9,8 +11,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ddpexp.config import ConfigError
@@ -25,18 +26,34 @@ _TORCHVISION = {
 _STATS = {"MNIST": ((0.1307,), (0.3081,)), "FashionMNIST": ((0.2860,), (0.3530,)),
           "CIFAR10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))}  # fmt: skip
 _SHAPES = {"MNIST": (1, 28, 10), "FashionMNIST": (1, 28, 10), "CIFAR10": (3, 32, 10)}
-DIGITS = 1797  # images in scikit-learn's load_digits()
+DIGITS, DIABETES = 1797, 442  # samples in scikit-learn's load_digits(), load_diabetes()
 
 
-@dataclass
 class Splits:
-    """What a data factory returns. A user factory (`data._target_`) returns one of these too."""
+    """What a data factory returns; a user factory (`data._target_`) returns one of these too: the train and val
+    datasets (map-style or iterable, yielding any batch shape the task reads) and the facts a model needs to fit
+    them, passed to `model._target_` by name when it takes them: num_classes, in_channels and image_size for
+    images; in_features and out_features for tabular data; vocab_size and block_size for text; any other names
+    a user's model takes (`Splits(train, val, n_mels=80)`)."""
 
-    train: Any  # torch.utils.data.Dataset yielding (image tensor, int label)
-    val: Any
-    num_classes: int
-    in_channels: int
-    image_size: int
+    def __init__(
+        self,
+        train: Any,
+        val: Any,
+        num_classes: int | None = None,
+        in_channels: int | None = None,
+        image_size: int | None = None,
+        **facts: Any,
+    ):
+        self.train, self.val = train, val
+        images = {"num_classes": num_classes, "in_channels": in_channels, "image_size": image_size}
+        self.facts: dict[str, Any] = {k: v for k, v in images.items() if v is not None} | facts
+
+    def __getattr__(self, name: str) -> Any:  # splits.num_classes, splits.vocab_size, ...
+        facts = self.__dict__.get("facts", {})
+        if name in facts:
+            return facts[name]
+        raise AttributeError(f"Splits has no {name!r} (its facts: {', '.join(facts) or 'none'})")
 
 
 class TrainLoader:
@@ -201,12 +218,66 @@ def fake(
     return Splits(train, val, num_classes=num_classes, in_channels=in_channels, image_size=image_size)
 
 
+def diabetes(val_fraction: float = 0.2, seed: int = 0) -> Splits:
+    """scikit-learn's diabetes data: 442 patients, 10 features, a measure of disease progression one year later.
+    Real regression data, offline. Features and target are standardized with the train split's mean and std, so
+    predicting the mean scores val/mse of about 1 and val/r2 of about 0."""
+    import torch
+    from sklearn.datasets import load_diabetes
+
+    d = load_diabetes()
+    x = torch.tensor(d.data, dtype=torch.float32)
+    y = torch.tensor(d.target, dtype=torch.float32).unsqueeze(1)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    n_val = round(len(y) * val_fraction)
+    val, train = perm[:n_val], perm[n_val:]
+    (mx, sx), (my, sy) = ((t[train].mean(0), t[train].std(0)) for t in (x, y))
+    x, y = (x - mx) / sx, (y - my) / sy
+    tds = torch.utils.data.TensorDataset
+    return Splits(tds(x[train], y[train]), tds(x[val], y[val]), in_features=10, out_features=1)
+
+
+# Characters of stdlib_text: tab, newline and printable ASCII; every other character is one more id.
+VOCAB = "\t\n" + "".join(chr(c) for c in range(32, 127))
+
+
+def stdlib_text(block_size: int = 64, max_chars: int = 300_000, val_fraction: float = 0.1) -> Splits:
+    """Character-level text that every Python install has: the standard library's own source (the .py files
+    beside the `os` module, by name, up to max_chars characters; so it depends on the Python version). Samples
+    are non-overlapping windows of block_size characters, targets the same windows shifted by one character;
+    the last val_fraction of the windows (the end of the text) is the val set."""
+    import numpy as np
+    import torch
+
+    folder, parts, size = os.path.dirname(os.__file__), [], 0
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py") and size < max_chars:
+            with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as f:
+                parts.append(f.read())
+            size += len(parts[-1])
+    codes = np.frombuffer("".join(parts)[:max_chars].encode("utf-32-le"), dtype=np.uint32)
+    table = np.full(128, len(VOCAB), dtype=np.int64)
+    table[[ord(c) for c in VOCAB]] = np.arange(len(VOCAB))
+    ids = torch.from_numpy(np.where(codes < 128, table[np.minimum(codes, 127)], len(VOCAB)))
+    windows = (len(ids) - 1) // block_size
+    x, y = (ids[o : o + windows * block_size].view(windows, block_size) for o in (0, 1))
+    n_val = round(windows * val_fraction)
+    if not 0 < n_val < windows:
+        raise ConfigError(
+            f"data: {len(ids)} characters make {windows} windows of block_size={block_size}; "
+            f"val_fraction={val_fraction} must leave >= 1 to each split (raise data.max_chars)"
+        )
+    tds = torch.utils.data.TensorDataset
+    train, val = tds(x[:-n_val], y[:-n_val]), tds(x[-n_val:], y[-n_val:])
+    return Splits(train, val, vocab_size=len(VOCAB) + 1, block_size=block_size)
+
+
 def prepare(data_cfg: dict) -> None:
     """In the parent, before ranks start: download a torchvision dataset if asked, else check its files; then
     build the in-memory cache if that path applies."""
     if data_cfg.get("_target_") != f"{__name__}.torchvision_dataset":
         return
-    shape(data_cfg)
+    example(data_cfg)
     name, root = data_cfg["name"], os.path.abspath(data_cfg.get("root", "data"))
     max_mb = data_cfg.get("in_memory_max_mb", 4096)
     if not isinstance(max_mb, (int, float)) or max_mb <= 0:
@@ -228,30 +299,50 @@ def prepare(data_cfg: dict) -> None:
             tensors(name, root, train)
 
 
-def shape(data_cfg: dict) -> tuple[int, int, int] | None:
-    """(in_channels, image_size, num_classes) of a built-in `data=`, from its config alone (nothing is read), once
-    the keys that size it are checked; None for a user's factory, whose shape is known only once it is built.
+def example(data_cfg: dict) -> tuple[dict[str, Any], Callable[[int], Any]] | None:
+    """The facts of a built-in `data=` and a function making a batch of n samples of its shapes and dtypes (under
+    `torch.device("meta")` nothing is allocated), from its config alone, once the keys that size it are checked
+    (nothing is read); None for a user's factory, known only once it is built, in the ranks.
 
     One training sample is enough for a step on every rank: DistributedSampler pads, and the last batch is kept."""
-    factory = {f"{__name__}.{f.__name__}": f for f in (digits, torchvision_dataset, fake)}.get(data_cfg["_target_"])
+    import torch
+
+    factories = (digits, torchvision_dataset, fake, diabetes, stdlib_text)
+    factory = {f"{__name__}.{f.__name__}": f for f in factories}.get(data_cfg["_target_"])
     if factory is None:
         return None
     kwargs = {k: p.default for k, p in inspect.signature(factory).parameters.items()} | data_cfg
     if "crop_padding" in kwargs:
         _check_int(kwargs, "crop_padding", 0, "(0: no random crop)")
-    if factory is digits:
+    if factory in (digits, diabetes):
+        total, what = (DIGITS, "digits") if factory is digits else (DIABETES, "patients")
         fraction = kwargs["val_fraction"]
-        n_val = round(DIGITS * fraction) if isinstance(fraction, (int, float)) else 0
-        if not 0 < n_val < DIGITS:
-            raise ConfigError(f"data.val_fraction={fraction!r}: must leave >= 1 of the {DIGITS} digits to each split")
-        return 1, 8, 10
-    if factory is torchvision_dataset:
+        n_val = round(total * fraction) if isinstance(fraction, (int, float)) else 0
+        if not 0 < n_val < total:
+            raise ConfigError(f"data.val_fraction={fraction!r}: must leave >= 1 of the {total} {what} to each split")
+    if factory is diabetes:
+        return {"in_features": 10, "out_features": 1}, lambda n: (torch.empty(n, 10), torch.empty(n, 1))
+    if factory is stdlib_text:
+        _check_int(kwargs, "block_size", 1)
+        _check_int(kwargs, "max_chars", 2)
+        fraction = kwargs["val_fraction"]
+        if not (isinstance(fraction, (int, float)) and 0 < fraction < 1):
+            raise ConfigError(f"data.val_fraction={fraction!r}: must be > 0 and < 1")
+        t = kwargs["block_size"]
+        tokens = lambda n: (torch.zeros(n, t, dtype=torch.long), torch.zeros(n, t, dtype=torch.long))  # noqa: E731
+        return {"vocab_size": len(VOCAB) + 1, "block_size": t}, tokens
+    if factory is digits:
+        c, size, classes = 1, 8, 10
+    elif factory is torchvision_dataset:
         if data_cfg.get("name") not in _SHAPES:
             raise ConfigError(f"data.name={data_cfg.get('name')!r}: must be one of {', '.join(_SHAPES)}")
-        return _SHAPES[kwargs["name"]]
-    for key in ("train_size", "val_size", "image_size", "in_channels", "num_classes"):
-        _check_int(kwargs, key, 1)
-    return kwargs["in_channels"], kwargs["image_size"], kwargs["num_classes"]
+        c, size, classes = _SHAPES[kwargs["name"]]
+    else:
+        for key in ("train_size", "val_size", "image_size", "in_channels", "num_classes"):
+            _check_int(kwargs, key, 1)
+        c, size, classes = kwargs["in_channels"], kwargs["image_size"], kwargs["num_classes"]
+    images = lambda n: (torch.empty(n, c, size, size), torch.zeros(n, dtype=torch.long))  # noqa: E731
+    return {"num_classes": classes, "in_channels": c, "image_size": size}, images
 
 
 def _check_int(kwargs: dict, key: str, low: int, why: str = "") -> None:

@@ -36,7 +36,7 @@ def detach_from_terminal() -> None:
             pass
 
 
-STOP, REQUEUE = 1, 2  # stop reasons, ordered: ranks agree on the max
+STOP, REQUEUE = 1, 2  # stop reasons: a requeue wins over a plain stop when ranks were told both
 
 
 class StopSignals:

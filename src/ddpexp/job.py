@@ -1,9 +1,11 @@
-"""What a launcher and the worker know of the job: its directory, its name in a sweep, the resolved config."""
+"""What a launcher and the worker know of the job: its directory, its name in a sweep, the resolved config, and
+what the launcher tells the ranks about itself (restarts, a requeue hook, facts for the run record)."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +18,11 @@ class Job:
     launcher: str  # the `launcher=` choice
     config_yaml: str  # the resolved config, as the checkpoint and W&B store it
     overrides: list[str] = field(default_factory=list)
+    # Set by the launcher inside each rank, before it calls the worker: the worker names no launcher.
+    restarts: int = 0  # how often this job was started again (an elastic restart, a scheduler's requeue)
+    requeue_signal: str | None = None  # a signal that means "checkpoint, then requeue" (e.g. Slurm's USR2)
+    requeue: Callable[[], bool] | None = None  # puts the job back in its queue; True when it did
+    record: dict[str, Any] = field(default_factory=dict)  # the launcher's facts for summary.json
 
     @property
     def summary_path(self) -> str:
@@ -38,11 +45,23 @@ class Job:
 
 
 def write_json(path: str, obj: Any) -> None:
+    """Strict JSON, written atomically: a non-finite float (NaN, inf) is written as null, which every parser reads."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
+        json.dump(finite(obj), f, indent=2, default=str, allow_nan=False)
         f.write("\n")
     os.replace(tmp, path)
+
+
+def finite(obj: Any) -> Any:
+    """`obj` with every NaN/inf float replaced by None (JSON has no such numbers; Python's json writes bare NaN)."""
+    if isinstance(obj, float):
+        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
 
 
 def read_json(path: str) -> dict[str, Any] | None:

@@ -1,4 +1,5 @@
-"""Models behind `model=`: small nets and torchvision ResNets with the input stem adapted to the dataset."""
+"""Models behind `model=`: an MLP for images or tabular data, small CNN and torchvision ResNets with the input
+stem adapted to the images, and a nanoGPT-sized causal transformer for text."""
 
 from __future__ import annotations
 
@@ -7,19 +8,33 @@ from typing import Any
 
 
 def mlp(
-    num_classes: int, in_channels: int, image_size: int, hidden: tuple[int, ...] = (256, 256), dropout: float = 0.0
+    num_classes: int | None = None,
+    in_channels: int | None = None,
+    image_size: int | None = None,
+    hidden: tuple[int, ...] = (256, 256),
+    dropout: float = 0.0,
+    in_features: int | None = None,
+    out_features: int | None = None,
 ) -> Any:
+    """Flatten, then Linear-ReLU layers of `hidden` widths: images (in_channels x image_size^2 inputs,
+    num_classes outputs) or tabular data (in_features, out_features)."""
     from torch import nn
 
     from ddpexp.config import check, is_number
 
     check(_counts(hidden), f"model.hidden={hidden!r}: must be a list of ints >= 1 (layer widths)")
     check(is_number(dropout) and 0 <= dropout < 1, f"model.dropout={dropout!r}: must be >= 0 and < 1")
-    dims = [in_channels * image_size * image_size, *hidden]
+    images = None not in (in_channels, image_size)
+    check(
+        (in_features is not None or images) and (out_features or num_classes) is not None,
+        "model=mlp: the data gives neither in_features/out_features nor in_channels/image_size/num_classes",
+    )
+    inputs = in_features if in_features is not None else in_channels * image_size * image_size  # type: ignore[operator]
+    dims = [inputs, *hidden]
     layers: list[nn.Module] = [nn.Flatten()]
     for d_in, d_out in zip(dims, dims[1:]):
         layers += [nn.Linear(d_in, d_out), nn.ReLU()] + ([nn.Dropout(dropout)] if dropout else [])
-    return nn.Sequential(*layers, nn.Linear(dims[-1], num_classes))
+    return nn.Sequential(*layers, nn.Linear(dims[-1], out_features if out_features is not None else num_classes))
 
 
 def cnn(
@@ -61,6 +76,28 @@ def resnet(arch: str, num_classes: int, in_channels: int, image_size: int, stem:
     elif in_channels != 3:
         net.conv1 = nn.Conv2d(in_channels, 64, 7, 2, 3, bias=False)
     return net
+
+
+def gpt(
+    vocab_size: int,
+    block_size: int,
+    n_layer: int = 2,
+    n_head: int = 4,
+    n_embd: int = 128,
+    dropout: float = 0.0,
+    bias: bool = True,
+) -> Any:
+    """A GPT-2 style causal transformer the size of nanoGPT's shakespeare_char (or smaller): token and position
+    embeddings, `n_layer` pre-LayerNorm blocks of causal self-attention and a 4x GELU MLP, the output head tied
+    to the token embedding. (batch, time) token ids in, (batch, time, vocab_size) logits out."""
+    from ddpexp.config import check, is_number
+    from ddpexp.gpt import GPT
+
+    for key, value in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd), ("block_size", block_size)):
+        check(_count(value), f"model.{key}={value!r}: must be an int >= 1")
+    check(n_embd % n_head == 0, f"model.n_embd={n_embd}: must be a multiple of model.n_head={n_head}")
+    check(is_number(dropout) and 0 <= dropout < 1, f"model.dropout={dropout!r}: must be >= 0 and < 1")
+    return GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout, bias)
 
 
 def _count(value: Any) -> bool:

@@ -1,4 +1,4 @@
-"""The report's PNGs (matplotlib, Agg): every job's train/loss and val/acc curves in one figure, and the objective
+"""The report's PNGs (matplotlib, Agg): every job's train/loss and objective curves in one figure, and the objective
 against each swept parameter. A job keeps its colour in both; jobs that did not complete are drawn dashed/grey."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ import math
 import os
 from typing import Any
 
-CURVES = ("train/loss", "val/acc")
 MAX_LEGEND = 16  # past this many jobs a per-job legend is unreadable: the best and the failed only
 
 
@@ -17,13 +16,20 @@ def write_all(out_dir: str, r: dict[str, Any]) -> list[str]:
 
     matplotlib.use("Agg")  # files only: never a window, works without a display
     written = []
-    if any(k in row for j in r["jobs"] for row in j.rows for k in CURVES):
+    if any(k in row for j in r["jobs"] for row in j.rows for k in curve_metrics(r)):
         curves(os.path.join(out_dir, "report_curves.png"), r)
         written.append("report_curves.png")
     if r["swept"] and len(r["jobs"]) > 1:  # one job: nothing to compare
         objective(os.path.join(out_dir, "report_objective.png"), r)
         written.append("report_objective.png")
     return written
+
+
+def curve_metrics(r: dict[str, Any]) -> list[str]:
+    """train/loss, and the objective when it is a val metric, else the first val metric the jobs logged."""
+    vals = [m for m in r["metrics"] if m.startswith("val/")]
+    second = r["objective"] if r["objective"].startswith("val/") else (vals[0] if vals else None)
+    return ["train/loss", *([second] if second else [])]
 
 
 def short_keys(keys: list[str]) -> dict[str, str]:
@@ -33,7 +39,7 @@ def short_keys(keys: list[str]) -> dict[str, str]:
 
 
 def label(job: Any, r: dict[str, Any]) -> str:
-    from ddpexp.report import fmt_param
+    from ddpexp.records import fmt_param
 
     names = short_keys(r["swept"])
     params = ", ".join(f"{names[k]}={fmt_param(job.overrides[k])}" for k in r["swept"] if k in job.overrides)
@@ -52,8 +58,10 @@ def curves(path: str, r: dict[str, Any]) -> None:
     import matplotlib.pyplot as plt
 
     jobs = r["jobs"]
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(11, 4.2), layout="constrained")
-    for ax, metric in zip(axes, CURVES):
+    metrics = curve_metrics(r)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(11, 4.2), layout="constrained", squeeze=False)
+    axes = list(axes.flat)
+    for ax, metric in zip(axes, metrics):
         for job, colour in zip(jobs, colours(len(jobs))):
             points = [(row["step"], row[metric]) for row in job.rows if metric in row and "step" in row]
             if not points:
@@ -82,7 +90,7 @@ def curves(path: str, r: dict[str, Any]) -> None:
 def objective(path: str, r: dict[str, Any]) -> None:
     import matplotlib.pyplot as plt
 
-    from ddpexp.report import fmt_param, objective_value
+    from ddpexp.records import fmt_param, objective_value
 
     jobs, swept, name = r["jobs"], r["swept"], r["objective"]
     ncols = min(3, len(swept))

@@ -6,90 +6,24 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
-import re
 import sys
-from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
+from ddpexp.exceptions import ReportError
+from ddpexp.records import (
+    JobRecord,
+    find_jobs,
+    fmt,
+    fmt_param,
+    is_job_dir,
+    load_job,
+    natural,
+    objective_value,
+    read_yaml,
+)
 
-METRICS = ("val/acc", "val/loss", "train/loss")
 FILES = ("report.md", "report.csv", "report_curves.png", "report_objective.png")
-
-
-@dataclass
-class JobRecord:
-    """One job as its files tell it; `status` is summary.json's, or incomplete/missing when there is none."""
-
-    dir: str
-    name: str
-    overrides: dict[str, str]  # key -> value, as on the command line
-    status: str
-    final: dict[str, float]
-    rows: list[dict[str, Any]] = field(default_factory=list)  # metrics.jsonl
-    error: str | None = None
-    steps: int | None = None
-    wall_time_s: float | None = None
-    world_size: int | None = None
-    config: dict[str, Any] = field(default_factory=dict)  # .hydra/config.yaml
-
-
-class ReportError(Exception):
-    """A PATH that holds no run record; one line, exit 2."""
-
-
-def is_job_dir(path: str) -> bool:
-    return any(os.path.exists(os.path.join(path, f)) for f in (".hydra", "summary.json", "metrics.jsonl"))
-
-
-def find_jobs(paths: list[str]) -> list[str]:
-    """Job dirs under each PATH: the PATH itself when it is one, else every job dir below it (a multirun dir)."""
-    found: list[str] = []
-    for path in paths:
-        if not os.path.isdir(path):
-            raise ReportError(f"{path}: no such directory")
-        if is_job_dir(path):
-            found.append(os.path.abspath(path))
-            continue
-        jobs = []
-        for root, dirs, _ in os.walk(path):
-            if root != path and is_job_dir(root):
-                jobs.append(os.path.abspath(root))
-                dirs.clear()  # a job's own folders (logs, checkpoints, wandb) hold no jobs
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
-        if not jobs:
-            raise ReportError(f"{path}: neither a job dir nor a multirun dir (no summary.json, .hydra/ or job dirs)")
-        found += sorted(jobs, key=natural)
-    return list(dict.fromkeys(found))
-
-
-def natural(text: str) -> list[Any]:
-    """Sort key: job 10 after job 9."""
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
-
-
-def load_job(job_dir: str, name: str) -> JobRecord:
-    summary = _read_json(os.path.join(job_dir, "summary.json"))
-    rows = _read_jsonl(os.path.join(job_dir, "metrics.jsonl"))
-    overrides = {}
-    for item in _read_yaml(os.path.join(job_dir, ".hydra", "overrides.yaml")) or []:
-        key, _, value = str(item).partition("=")
-        overrides[key.lstrip("+")] = value
-    config = _read_yaml(os.path.join(job_dir, ".hydra", "config.yaml")) or {}
-    if summary is None:  # killed before the record was written: what metrics.jsonl saw so far
-        last: dict[str, float] = {}
-        for row in rows:
-            last.update({k: row[k] for k in METRICS if k in row})
-        steps = max((r.get("step", 0) for r in rows), default=None)
-        return JobRecord(job_dir, name, overrides, "incomplete" if rows else "missing", last, rows, steps=steps,
-                         config=config)  # fmt: skip
-    return JobRecord(
-        job_dir, name, overrides, str(summary.get("status", "?")), dict(summary.get("final") or {}), rows,
-        error=summary.get("error"), steps=summary.get("steps"), wall_time_s=summary.get("wall_time_s"),
-        world_size=summary.get("world_size"), config=config,
-    )  # fmt: skip
 
 
 def swept_keys(jobs: list[JobRecord]) -> list[str]:
@@ -100,11 +34,6 @@ def swept_keys(jobs: list[JobRecord]) -> list[str]:
     return [k for k in keys if len({j.overrides.get(k) for j in jobs}) > 1]
 
 
-def objective_value(job: JobRecord, objective: str) -> float | None:
-    value = job.final.get(objective) if job.status == "completed" else None
-    return None if value is None or value != value else float(value)  # NaN: no value
-
-
 def sort_jobs(jobs: list[JobRecord], objective: str, maximize: bool) -> list[JobRecord]:
     """Best first; jobs without a value (failed, unfinished) after them, in job order."""
 
@@ -113,25 +42,6 @@ def sort_jobs(jobs: list[JobRecord], objective: str, maximize: bool) -> list[Job
         return (value is None, 0.0 if value is None else (-value if maximize else value), natural(j.name))
 
     return sorted(jobs, key=key)
-
-
-def fmt(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) < 1e-3 or abs(value) >= 1e4 else f"{value:.4f}".rstrip("0").rstrip(".")
-    return str(value)
-
-
-def fmt_param(value: str | None) -> str:
-    """A swept value, short: Optuna writes floats with all their digits."""
-    if value is None:
-        return ""
-    try:
-        number = float(value)
-    except ValueError:
-        return value
-    return value if number.is_integer() and "." not in value and "e" not in value.lower() else f"{number:.4g}"
 
 
 def table(jobs: list[JobRecord], swept: list[str], metrics: list[str]) -> tuple[list[str], list[list[str]]]:
@@ -170,16 +80,19 @@ def problems(jobs: list[JobRecord]) -> list[str]:
     return out
 
 
-def sweep_facts(paths: list[str]) -> dict[str, Any]:
-    """What the sweep dir says about the study: its direction and Optuna's result, when there is one."""
+def sweep_facts(paths: list[str], job_dirs: list[str]) -> dict[str, Any]:
+    """What the sweep dir says about the study: its direction and Optuna's result, when there is one. The basic
+    sweeper writes multirun.yaml; Optuna's does not, but each job's .hydra/hydra.yaml holds the same sweeper."""
     if len(paths) != 1:
         return {}
     facts: dict[str, Any] = {}
-    multirun = _read_yaml(os.path.join(paths[0], "multirun.yaml")) or {}
-    direction = (multirun.get("hydra", {}).get("sweeper") or {}).get("direction")
+    multirun = read_yaml(os.path.join(paths[0], "multirun.yaml"))
+    if multirun is None and job_dirs:
+        multirun = read_yaml(os.path.join(job_dirs[0], ".hydra", "hydra.yaml"))
+    direction = ((multirun or {}).get("hydra", {}).get("sweeper") or {}).get("direction")
     if isinstance(direction, str):
         facts["direction"] = direction
-    results = _read_yaml(os.path.join(paths[0], "optimization_results.yaml"))
+    results = read_yaml(os.path.join(paths[0], "optimization_results.yaml"))
     if results and "best_value" in results:
         facts["optuna"] = results
     return facts
@@ -194,7 +107,7 @@ def build(paths: list[str], objective: str | None, direction: str | None) -> dic
     else:  # several runs: into the folder that holds them all
         out_dir = base = os.path.commonpath(job_dirs)
     jobs = [load_job(d, os.path.relpath(d, base) if d != base else os.path.basename(d)) for d in job_dirs]
-    facts = sweep_facts(paths)
+    facts = sweep_facts(paths, job_dirs)
     own = next((str(j.config["objective"]) for j in jobs if "objective" in j.config), "val/acc")
     asked, objective = objective, objective or own
     if direction is None:  # the sweeper's direction is about the jobs' own objective, not another metric
@@ -202,10 +115,12 @@ def build(paths: list[str], objective: str | None, direction: str | None) -> dic
         direction = swept_direction or ("minimize" if objective.endswith("loss") else "maximize")
     jobs = sort_jobs(jobs, objective, direction == "maximize")
     seen = {k for j in jobs for k in j.final}
-    known = sorted(seen or METRICS)  # no job finished: nothing to check a name against but the usual metrics
+    known = sorted(seen or {"train/loss", "val/loss", "val/acc"})  # nothing finished: the usual names only
     if asked and asked not in known:
         raise ReportError(f"--objective {objective}: no job has this metric; available: {', '.join(known)}")
-    metrics = [objective] + [m for m in (*METRICS, *sorted(seen)) if m in seen and m != objective]
+    # The objective, every other metric any job logged (in the order they logged them), train/loss last.
+    logged = [m for m in dict.fromkeys(m for j in jobs for m in j.final) if m != "train/loss"]
+    metrics = [objective] + [m for m in (*logged, "train/loss") if m in seen and m != objective]
     swept = swept_keys(jobs)
     fixed = [f"{k}={v}" for k, v in jobs[0].overrides.items() if k not in swept] if len(jobs) > 1 else []
     return dict(jobs=jobs, out_dir=out_dir, objective=objective, direction=direction, metrics=list(dict.fromkeys(metrics)),
@@ -263,7 +178,7 @@ def main(argv: list[str]) -> int:
         "report.csv and PNG plots.",
     )
     parser.add_argument("paths", nargs="+", metavar="PATH", help="a multirun dir, or several run dirs")
-    parser.add_argument("--objective", help="metric to sort by (default: the jobs' `objective`, else val/acc)")
+    parser.add_argument("--objective", help="metric to sort by: any the jobs logged (default: the jobs' `objective`)")
     parser.add_argument("--direction", choices=("maximize", "minimize"), help="default: the sweeper's, else by name")
     parser.add_argument("--out", help="where the files go (default: the multirun dir, or the runs' common parent)")
     args = parser.parse_args(argv)
@@ -297,34 +212,3 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # one line and exit 2, like every other bad input
         print(f"ddpexp: error: report: {message} (usage: ddpexp report PATH [PATH ...])", file=sys.stderr)
         sys.exit(2)
-
-
-def _read_json(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
-def _read_jsonl(path: str) -> list[dict[str, Any]]:
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return []
-    rows = []
-    for line in lines:
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut short by a kill
-            continue
-    return rows
-
-
-def _read_yaml(path: str) -> Any:
-    try:
-        with open(path) as f:
-            return yaml.safe_load(f)
-    except (FileNotFoundError, yaml.YAMLError):
-        return None

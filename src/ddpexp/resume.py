@@ -1,89 +1,111 @@
-"""What a run saves to continue exactly, and how it continues: the checkpoint's state (weights, optimizer, data
-position, every rank's RNG and pending loss), the choice of checkpoint at start, and Slurm's requeue."""
+"""What a run saves to continue exactly, and how it continues: its position (epoch, batches consumed, steps), the
+weights, optimizer, schedule and scaler, every rank's RNG streams and pending loss sum, the config and the W&B
+run id; and, at start, the choice of checkpoint."""
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
-import subprocess
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from ddpexp import checkpoint
-from ddpexp.config import Config, ConfigError
+from ddpexp import checkpoint, distributed
+from ddpexp.config import Config
+from ddpexp.exceptions import ConfigError
 from ddpexp.job import Job
 
-log = logging.getLogger("ddpexp")
+
+@dataclass
+class Position:
+    """Where a run stands: the next batch to train on, as (epoch, micro-batches of it consumed), and steps taken."""
+
+    epoch: int = 0
+    batch: int = 0
+    step: int = 0
+    last_log_step: int = 0  # where the pending loss sum of the log interval started
 
 
-def save(
-    cfg, job, model, optimizer, scheduler, scaler, tracker, epoch, batch_in_epoch, step, loss_sum, last_log_step, final
-) -> str:  # type: ignore[no-untyped-def]
-    """Everything an exact resume needs: weights, optimizer/scheduler/scaler, the data position (epoch, batches
-    consumed in it), every rank's RNG states, the pending loss sum of the log interval, the config and W&B id."""
-    per_rank: list[Any] = [None] * dist.get_world_size()  # each rank's RNG streams and pending loss sum
-    dist.all_gather_object(per_rank, (checkpoint.rng_state(), loss_sum.detach().cpu().clone()))
-    if dist.get_rank() != 0:
-        return ""
-    state = {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-        "epoch": epoch,
-        "batch_in_epoch": batch_in_epoch,
-        "step": step,
-        "world_size": dist.get_world_size(),
-        "rng": [rng for rng, _ in per_rank],
-        "loss_sum": [loss for _, loss in per_rank],
-        "last_log_step": last_log_step,
-        "final": dict(final),
-        "config": job.config_yaml,
-        "config_sha256": hashlib.sha256(job.config_yaml.encode()).hexdigest(),
-        "wandb_id": getattr(tracker, "wandb_id", None),
-    }
-    return checkpoint.save(state, job.checkpoint_dir, step, cfg.keep_last_checkpoints)
+@dataclass
+class Resumed:
+    """A checkpoint chosen to continue from, as this rank needs it."""
+
+    path: str
+    own: bool  # this job's own checkpoint: its record and W&B run continue (resume=PATH starts new ones)
+    position: Position
+    state: dict[str, Any]  # model, optimizer, scheduler, scaler, final, wandb_id; this rank's rng and loss_sum
 
 
-def load(cfg: Config, job: Job) -> dict[str, Any] | None:
+class Checkpointer:
+    """Saves everything an exact resume needs; every rank calls `save` (the RNG states are gathered), rank 0
+    writes the file."""
+
+    def __init__(self, cfg: Config, job: Job, model: Any, optimizer: Any, scheduler: Any, scaler: Any, tracker: Any):
+        self.cfg, self.job, self.tracker = cfg, job, tracker
+        self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+
+    def save(self, position: Position, pending_loss: torch.Tensor, final: dict[str, float]) -> str:
+        per_rank = distributed.all_gather((checkpoint.rng_state(), pending_loss.detach().cpu().clone()))
+        if dist.get_rank() != 0:
+            return ""
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            "epoch": position.epoch,
+            "batch_in_epoch": position.batch,
+            "step": position.step,
+            "last_log_step": position.last_log_step,
+            "world_size": dist.get_world_size(),
+            "rng": [rng for rng, _ in per_rank],
+            "loss_sum": [loss for _, loss in per_rank],
+            "final": dict(final),
+            "config": self.job.config_yaml,
+            "config_sha256": hashlib.sha256(self.job.config_yaml.encode()).hexdigest(),
+            "wandb_id": getattr(self.tracker, "wandb_id", None),
+        }
+        return checkpoint.save(state, self.job.checkpoint_dir, position.step, self.cfg.keep_last_checkpoints)
+
+
+def load(cfg: Config, job: Job) -> Resumed | None:
     """Rank 0 picks the checkpoint (this job's newest valid one, else `resume=PATH`) and tells the others."""
-    choice: list[str | None] = [None]
+    choice = None
     if dist.get_rank() == 0 and cfg.resume != "never":
-        choice[0] = checkpoint.find_latest(job.checkpoint_dir)
-        if choice[0] is None and cfg.resume != "auto":
-            choice[0] = checkpoint.resolve(cfg.resume)
-    dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
+        choice = checkpoint.find_latest(job.checkpoint_dir)
+        if choice is None and cfg.resume != "auto":
+            choice = checkpoint.resolve(cfg.resume)
+    choice = distributed.broadcast(choice)
+    if choice is None:
         return None
-    state = checkpoint.load(choice[0])
-    if state.get("world_size", dist.get_world_size()) != dist.get_world_size() and not cfg.resume_allow_config_change:
+    state = checkpoint.load(choice)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    saved_world = state.get("world_size", world_size)
+    if saved_world != world_size and not cfg.resume_allow_config_change:
         raise ConfigError(
-            f"resume: {choice[0]} was written by {state['world_size']} ranks, this job has {dist.get_world_size()}; "
+            f"resume: {choice} was written by {saved_world} ranks, this job has {world_size}; "
             "set resume_allow_config_change=true to continue anyway (from the next epoch)"
         )
-    if state.get("world_size", dist.get_world_size()) != dist.get_world_size():
-        state.update(epoch=state["epoch"] + (state.get("batch_in_epoch", 0) > 0), batch_in_epoch=0)
-        state["rng"] = [state["rng"][0]] * dist.get_world_size()
-        state["loss_sum"] = [sum(state["loss_sum"]) / dist.get_world_size()] * dist.get_world_size()
-    if isinstance(state["rng"], dict):  # a checkpoint of rank 0's RNG only
-        state["rng"] = [state["rng"]] * dist.get_world_size()
-    state["path"] = choice[0]
-    state["own"] = os.path.dirname(os.path.abspath(choice[0])) == os.path.abspath(job.checkpoint_dir)
-    return state
+    epoch, batch = state["epoch"], state.get("batch_in_epoch", 0)
+    rng, pending = state["rng"], state.get("loss_sum")
+    if isinstance(rng, dict):  # a checkpoint of rank 0's RNG only
+        rng = [rng] * saved_world
+    if saved_world != world_size:  # other shards: continue from the next epoch boundary, with rank 0's streams
+        epoch, batch = epoch + (batch > 0), 0
+        rng = [rng[0]] * world_size
+        pending = [sum(pending) / world_size] * world_size if pending is not None else None
+    state.update(rng=rng[rank], loss_sum=pending[rank] if pending is not None else 0.0)
+    position = Position(epoch, batch, state["step"], state.get("last_log_step", state["step"]))
+    own = os.path.dirname(os.path.abspath(choice)) == os.path.abspath(job.checkpoint_dir)
+    return Resumed(choice, own, position, state)
 
 
-def requeue() -> bool:
-    """Slurm: put this job back in the queue (same job id, same job dir: it resumes from the checkpoint)."""
-    job_id = os.environ.get("SLURM_ARRAY_JOB_ID", os.environ.get("SLURM_JOB_ID"))
-    if job_id and "SLURM_ARRAY_TASK_ID" in os.environ:
-        job_id = f"{job_id}_{os.environ['SLURM_ARRAY_TASK_ID']}"
-    if not job_id:
-        return False
-    done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
-    if done.returncode != 0:
-        log.error("scontrol requeue %s failed: %s", job_id, done.stderr.strip())
-        return False
-    log.warning("requeued Slurm job %s; it resumes from the checkpoint", job_id)
-    return True
+def restore(resumed: Resumed, optimizer: Any, scheduler: Any, scaler: Any) -> None:
+    """Optimizer, schedule and scaler state (the weights are loaded before DDP wraps the model)."""
+    optimizer.load_state_dict(resumed.state["optimizer"])
+    if scheduler is not None and resumed.state.get("scheduler") is not None:
+        scheduler.load_state_dict(resumed.state["scheduler"])
+    if scaler.is_enabled() and resumed.state.get("scaler") is not None:
+        scaler.load_state_dict(resumed.state["scaler"])

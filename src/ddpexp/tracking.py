@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from ddpexp.config import WandbConfig
-from ddpexp.job import Job, write_json
+from ddpexp.job import Job, finite, write_json
 
 log = logging.getLogger("ddpexp")
 
@@ -30,23 +30,29 @@ class NullTracker:
 
 class Tracker(NullTracker):
     def __init__(
-        self, job: Job, wandb_cfg: WandbConfig, config: dict[str, Any], progress_bar: bool, resume: dict | None = None
+        self,
+        job: Job,
+        wandb_cfg: WandbConfig,
+        config: dict[str, Any],
+        progress_bar: bool,
+        resume_step: int | None = None,
+        wandb_id: str | None = None,
     ):
         self.job = job
         # Resuming from step s: the lines after s go (the resumed run writes them again, identically), while W&B,
         # which cannot rewrite history, gets nothing up to the last step it already has.
-        if resume:
-            self.logged_until = truncate_metrics(job.metrics_path, resume["step"])
+        if resume_step is not None:
+            self.logged_until = truncate_metrics(job.metrics_path, resume_step)
         else:  # a fresh start redoes an earlier attempt of this config that left no checkpoint (the parent checked)
             truncate_metrics(job.metrics_path, -1)
             self.logged_until = -1
         self.metrics = open(job.metrics_path, "a", buffering=1)
         self.tty = progress_bar and sys.stderr.isatty()
-        self.run, self.wandb_info = init_wandb(wandb_cfg, job, config, resume.get("wandb_id") if resume else None)
+        self.run, self.wandb_info = init_wandb(wandb_cfg, job, config, wandb_id)
         self.wandb_id = self.wandb_info["id"]
 
     def log(self, metrics: dict[str, float], step: int, epoch: int) -> None:
-        self.metrics.write(json.dumps({"step": step, "epoch": epoch, **metrics}) + "\n")
+        self.metrics.write(json.dumps(finite({"step": step, "epoch": epoch, **metrics}), allow_nan=False) + "\n")
         if self.run is not None and step > self.logged_until:
             try:
                 self.run.log({**metrics, "epoch": epoch}, step=step)

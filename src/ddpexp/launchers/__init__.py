@@ -11,21 +11,7 @@ import pkgutil
 import socket
 from typing import Any
 
-
-class RankFailure(RuntimeError):
-    """A rank died; the message carries its traceback's tail."""
-
-    def __init__(self, rank: int | str, detail: str):
-        self.rank, self.detail = rank, detail.strip()
-        last = self.detail.splitlines()[-1] if self.detail else "no traceback"
-        super().__init__(f"rank {rank} failed: {last}\n{self.detail}")
-
-
-class Interrupted(BaseException):
-    """The job stopped on a signal after its ranks wrote a checkpoint; exit code 130, and how to resume.
-
-    A BaseException, like KeyboardInterrupt: Hydra records an Exception as a failed job and starts the next one,
-    while a signal must stop the whole sweep."""
+from ddpexp.exceptions import ConfigError, Interrupted, RankFailure  # noqa: F401 (the launchers' API)
 
 
 def schema_name(name: str) -> str:
@@ -47,8 +33,6 @@ def tail(text: str, lines: int = 25) -> str:
 
 def check_resolves(key: str, host: str, shown: str | None = None) -> None:
     """Refuse an address that does not resolve: the ranks would retry the rendezvous there until its timeout."""
-    from ddpexp.config import ConfigError
-
     try:
         socket.getaddrinfo(host, None)
     except (OSError, UnicodeError) as e:

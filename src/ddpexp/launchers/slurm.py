@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from ddpexp.config import ConfigError, LauncherConfig, check
@@ -80,10 +80,35 @@ class SlurmTask:
 
         # Every GPU of the node stays visible: each rank picks cuda:LOCAL_RANK, as under spawn and torchrun.
         TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-        # The worker takes this signal as "checkpoint, then scontrol requeue": the requeued job runs this again
-        # and resumes from the job dir. (It replaces submitit's own handler, which would requeue unsaved.)
-        os.environ["DDPEXP_REQUEUE_SIGNAL"] = self.cfg.launcher.signal
-        self.worker(self.cfg, self.job)
+        # A Slurm task stays in its step's process group (slurmstepd tracks it there): no detaching here.
+        # The worker takes the signal as "checkpoint, then requeue": the requeued job runs this again and resumes
+        # from the job dir. (It replaces submitit's own handler, which would requeue unsaved.)
+        job = replace(
+            self.job,
+            restarts=int(os.environ.get("SLURM_RESTART_COUNT", 0)),
+            requeue_signal=self.cfg.launcher.signal,
+            requeue=requeue,
+            record={"slurm": {k: os.environ.get(f"SLURM_{k.upper()}") for k in ("job_id", "job_nodelist", "ntasks")}},
+        )
+        self.worker(self.cfg, job)
+
+
+def requeue() -> bool:
+    """Put this job back in the queue (same job id, same job dir: it resumes from the checkpoint)."""
+    import logging
+
+    log = logging.getLogger("ddpexp")
+    job_id = os.environ.get("SLURM_ARRAY_JOB_ID", os.environ.get("SLURM_JOB_ID"))
+    if job_id and "SLURM_ARRAY_TASK_ID" in os.environ:
+        job_id = f"{job_id}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    if not job_id:
+        return False
+    done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    if done.returncode != 0:
+        log.error("scontrol requeue %s failed: %s", job_id, done.stderr.strip())
+        return False
+    log.warning("requeued Slurm job %s; it resumes from the checkpoint", job_id)
+    return True
 
 
 def executor(cfg: Any, job: Any) -> Any:

@@ -10,7 +10,7 @@ from functools import partial
 from typing import Any
 
 from ddpexp.config import LauncherConfig, check
-from ddpexp.faults import forward_signals, terminate
+from ddpexp.faults import detach_from_terminal, die_with_parent, forward_signals, terminate
 from ddpexp.launchers import RankFailure, check_resolves, tail
 
 
@@ -80,6 +80,8 @@ GRACE_S = 5.0
 
 
 def _run_rank(local_rank: int, worker: Callable[..., None], cfg: Any, job: Any, env: dict[str, str]) -> None:
+    die_with_parent()
+    detach_from_terminal()
     os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     worker(cfg, job)
 

@@ -6,7 +6,7 @@ import logging
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ddpexp.config import LauncherConfig, check
@@ -146,6 +146,11 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
 def _run_rank(worker: Callable[..., None], cfg: Any, job: Any) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    from ddpexp.faults import detach_from_terminal, die_with_parent
+
+    die_with_parent()
+    detach_from_terminal()
+    job = replace(job, restarts=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     record(worker)(cfg, job)
 
 

@@ -1,0 +1,44 @@
+"""Every error type ddpexp raises, in one module that imports nothing: the parent, the ranks, the launchers and a
+user's own code (`ddpexp.run(...)` in a notebook) catch them by these names."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """Bad input (a configuration value, a command line, a user's component): one line, exit code 2."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be trusted: unreadable, truncated, or holding pickled code."""
+
+
+class ReportError(ConfigError):
+    """`ddpexp report` PATH that holds no run record; one line, exit 2."""
+
+
+class RankFailure(RuntimeError):
+    """A rank died (exit code 1); the message carries its traceback's tail."""
+
+    def __init__(self, rank: int | str, detail: str):
+        self.rank, self.detail = rank, detail.strip()
+        last = self.detail.splitlines()[-1] if self.detail else "no traceback"
+        super().__init__(f"rank {rank} failed: {last}\n{self.detail}")
+
+
+class Interrupted(BaseException):
+    """The job stopped on a signal after its ranks wrote a checkpoint; exit code 130, and how to resume.
+
+    A BaseException, like KeyboardInterrupt: Hydra records an Exception as a failed job and starts the next one,
+    while a signal must stop the whole sweep."""
+
+
+class Stopped(Exception):
+    """Inside a rank: a stop signal, agreed on by every rank at a step boundary, after the checkpoint was written."""
+
+    def __init__(self, signal: str, requeue: bool, step: int, path: str):
+        super().__init__(f"{signal} at step {step}")
+        self.signal, self.requeue, self.step, self.path = signal, requeue, step, path
+
+
+class NonFinite(Exception):
+    """Inside a rank: the training loss went NaN or infinite (exit code 1, status failed)."""

@@ -1,0 +1,273 @@
+"""The one DDP train loop, top to bottom: build the run's parts, restore a checkpoint, then epochs of optimizer
+steps (logging, stop signals, checkpoints) each ended by an exact evaluation. The task (ddpexp.tasks) computes
+the loss and the metrics; the loop never looks inside a batch."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import sys
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddpexp import checkpoint, data, distributed, speed
+from ddpexp.config import Config, ConfigError
+from ddpexp.evaluation import evaluate
+from ddpexp.exceptions import Stopped
+from ddpexp.faults import REQUEUE, DebugFaults
+from ddpexp.job import Job
+from ddpexp.optim import build_optimizer, call_accepting
+from ddpexp.resume import Checkpointer, Position, Resumed, restore
+from ddpexp.tasks import check_loss, samples, to_device
+
+log = logging.getLogger("ddpexp")
+
+
+def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Resumed | None, stop: Any) -> dict:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+
+    # Build. The same seed on every rank gives identical initial replicas (DDP broadcasts rank 0's weights too).
+    seed_everything(cfg.seed)
+    splits = instantiate(cfg.data)
+    task, task_name = instantiate(cfg.task, _convert_="all"), f"task={cfg.task['_target_']}"
+    model = call_accepting(instantiate(cfg.model, _partial_=True), **splits.facts).to(device)
+    precision, channels_last = speed.speed_defaults(cfg, device, model)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    model = model.to(memory_format=memory_format)
+    if cfg.ddp.sync_batchnorm:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if resumed is not None:
+        model.load_state_dict(resumed.state["model"])
+    ddp = DDP(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=cfg.ddp.find_unused_parameters,
+        static_graph=cfg.ddp.static_graph,
+        gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
+        bucket_cap_mb=cfg.ddp.bucket_cap_mb,
+    )
+    step_model = torch.compile(ddp) if cfg.compile else ddp
+    seed_everything(cfg.seed + rank)  # per-rank streams for anything random from here on (dropout, augmentation)
+
+    loader = data.train_loader(splits, cfg, rank, world_size, device)
+    n_batches = _length(loader)  # None: an IterableDataset, whose epochs end when the first rank runs dry
+    steps_per_epoch = -(-n_batches // cfg.grad_accum) if n_batches is not None else None
+    total_steps = min(cfg.max_steps or sys.maxsize, cfg.epochs * (steps_per_epoch or sys.maxsize))
+    optimizer = build_optimizer(instantiate(cfg.optimizer), ddp.parameters(), device)
+    scheduler = (
+        call_accepting(instantiate(cfg.scheduler), optimizer, total_steps=total_steps) if cfg.scheduler else None
+    )
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    autocast = torch.autocast(
+        device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16, enabled=precision != "fp32"
+    )
+    log.info(
+        "rank %d/%d on %s: %s train / %s val samples, %s steps/epoch, %d steps",
+        rank, world_size, device, _length(splits.train), _length(splits.val), steps_per_epoch, total_steps,
+    )  # fmt: skip
+
+    # Restore: the weights are in; now the optimizer, schedule, position, pending loss and (below) RNG streams.
+    pos, final = Position(), {}
+    if resumed is not None:
+        restore(resumed, optimizer, scheduler, scaler)
+        pos, final = resumed.position, dict(resumed.state.get("final", {}))
+        log.info(
+            "rank %d resumed from %s: step %d, epoch %d, batch %d", rank, resumed.path, pos.step, pos.epoch, pos.batch
+        )
+    meter = Meter(device, pos.last_log_step, getattr(task, "items", "items") if hasattr(task, "count") else None)
+    meter.loss += resumed.state["loss_sum"] if resumed is not None else 0.0
+    checkpointer = Checkpointer(cfg, job, model, optimizer, scheduler, scaler, tracker)
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.dist_timeout_s))
+    agreement = distributed.StepAgreement(control, n_batches)
+    debug = DebugFaults(cfg.debug, rank, resumed=resumed is not None)
+
+    # Epochs of optimizer steps.
+    step, first_step_at, scored = pos.step, None, None
+    epoch = pos.epoch - 1  # epochs run = epoch + 1, also when a finished run is resumed
+    for epoch in range(pos.epoch, cfg.epochs):
+        if step >= total_steps:
+            break
+        skip = pos.batch if epoch == pos.epoch else 0
+        loader.set_epoch(epoch, skip)
+        if resumed is not None and epoch == pos.epoch and skip == 0:
+            checkpoint.set_rng_state(resumed.state["rng"])
+        batches = iter(loader)  # draws the loader's base seed from torch's RNG, as the uninterrupted run did
+        if resumed is not None and epoch == pos.epoch and skip > 0:
+            checkpoint.set_rng_state(resumed.state["rng"])  # after that draw, which it made before the checkpoint
+        ddp.train()
+        consumed = skip  # micro-batches of this epoch behind us
+        while step < total_steps:
+            # One step: its micro-batches on the device, the ranks' agreement (stop? epoch over? how many samples?),
+            # forward/backward of each, weighted by its share of the step's items, then the optimizer.
+            group = [to_device(task, b, device, memory_format) for b in itertools.islice(batches, cfg.grad_accum)]
+            sizes = [samples(b) for b in group]
+            ended, all_samples = agreement.before_step(stop.reason, len(group), sum(sizes))
+            if ended:
+                break
+            consumed += len(group)
+            divisors, items = weights(task, task_name, group, sizes, all_samples, world_size)
+            meter.add(
+                optimizer_step(cfg, task, task_name, step_model, ddp, optimizer, scaler, autocast, group, divisors),
+                items,
+            )
+            if scheduler is not None:
+                scheduler.step()
+            step += 1
+            if first_step_at is None:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # the step has run, not just been queued
+                first_step_at = time.time()
+            reason = agreement.after_step()
+            debug.after_step(step)
+            tracker.progress(f"epoch {epoch} step {step}/{total_steps}")
+            if step % cfg.log_every_n_steps == 0 or step == total_steps:
+                final["train/loss"] = meter.log(cfg, tracker, optimizer, step, epoch)
+            if reason:  # after the step of the batches already drawn (augmentation draws RNG): a resume redoes none
+                path = checkpointer.save(Position(epoch, consumed, step, meter.last[1]), meter.loss, final)
+                raise Stopped(stop.signame or "a rank's stop signal", reason == REQUEUE, step, path)
+            if cfg.checkpoint_every_n_steps and step % cfg.checkpoint_every_n_steps == 0 and step < total_steps:
+                checkpointer.save(Position(epoch, consumed, step, meter.last[1]), meter.loss, final)
+
+        # The epoch's end: an exact evaluation, then a checkpoint. Stopped by max_steps inside the epoch, the
+        # checkpoint keeps that position, so a larger max_steps continues with the epoch's next batch.
+        last_epoch = step >= total_steps or epoch == cfg.epochs - 1
+        if step >= total_steps and consumed < (n_batches or sys.maxsize):
+            position = Position(epoch, consumed, step, meter.last[1])
+        else:
+            position = Position(epoch + 1, 0, step, meter.last[1])
+        if (epoch + 1) % cfg.eval_every_n_epochs == 0 or last_epoch:
+            metrics, scored = evaluate(
+                task, model, splits.val, cfg.batch_size, device, autocast, memory_format, task_name
+            )
+            tracker.log(metrics, step, epoch)
+            final.update(metrics)
+            check_objective(cfg, final)
+            log.info("epoch %d step %d: %s", epoch, step, " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        if last_epoch or (cfg.checkpoint_every_n_epochs and (epoch + 1) % cfg.checkpoint_every_n_epochs == 0):
+            checkpointer.save(position, meter.loss, final)
+
+    result: dict[str, Any] = {"final": final, "steps": step, "epochs": epoch + 1, "val_samples": _length(splits.val)}
+    result.update(val_scored=scored, data_path=type(loader).__name__, precision=precision, channels_last=channels_last)
+    result["ddp_buckets"] = _bucket_sizes(ddp)
+    result["first_step_at"] = first_step_at  # unix time the first optimizer step of this attempt ended
+    if cfg.debug.check_replicas:
+        result["replicas"] = distributed.compare_replicas(model)
+    return result
+
+
+def weights(
+    task: Any, task_name: str, group: list[Any], sizes: list[int], all_samples: int | None, world_size: int
+) -> tuple[list[Any], Any]:
+    """Each micro-batch's divisor of its mean loss, so that after DDP averages over the ranks the step's gradient
+    is that of the mean over every item of the step (items: the task's `count`, else samples), and the items of
+    the step over all ranks (a tensor) for a counting task's throughput, else None.
+
+    With equal shards and no `count`, every rank's i-th micro-batch has the same size, so the sizes are known
+    here without a collective; when they are all equal the divisor is exactly the number of micro-batches, as
+    in a hand-written `loss / grad_accum`."""
+    if hasattr(task, "count"):  # tokens, pixels, unmasked labels: the step's total over the ranks
+        counts = [torch.as_tensor(task.count(b)) for b in group]
+        total = torch.stack(counts).sum().to(torch.float64)
+        dist.all_reduce(total)
+        return [(total / (world_size * n)).float() for n in counts], total
+    if min(sizes) < 1:
+        raise ConfigError(
+            f"{task_name}: cannot tell how many samples a {type(group[0]).__name__} batch holds (no tensor in it); "
+            "give the task a count(batch) method"
+        )
+    if all_samples is not None:  # uneven shards: the agreement summed the samples over the ranks
+        return [all_samples / (world_size * n) for n in sizes], None
+    return [sum(sizes) / n for n in sizes], None
+
+
+def optimizer_step(cfg, task, task_name, step_model, ddp, optimizer, scaler, autocast, group, divisors) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Forward/backward over the micro-batches of one step (no all-reduce until the last), then step. Returns the
+    step's loss on this rank (its items' share), on the device."""
+    total = torch.zeros((), device=next(ddp.parameters()).device)
+    for j, (batch, divisor) in enumerate(zip(group, divisors)):
+        sync = j == len(group) - 1
+        with nullcontext() if sync else ddp.no_sync(), autocast:
+            loss = check_loss(task.loss(step_model, batch), task_name) / divisor
+        scaler.scale(loss).backward()
+        total += loss.detach()
+    if cfg.clip_grad_norm:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), cfg.clip_grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+class Meter:
+    """The train loss (and a counting task's items) of each log interval, summed on the device and read once per
+    interval: the loop's only host sync, on every rank (an all-reduce)."""
+
+    def __init__(self, device: torch.device, step: int, items: str | None):
+        self.loss = torch.zeros((), device=device)
+        self.items_name, self.items = items, torch.zeros((), dtype=torch.float64, device=device)
+        self.last = (time.perf_counter(), step)  # (time, step) of the last log line
+
+    def add(self, loss: torch.Tensor, items: Any) -> None:
+        self.loss += loss
+        if items is not None:
+            self.items += items
+
+    def log(self, cfg: Config, tracker: Any, optimizer: Any, step: int, epoch: int) -> float:
+        reduced = self.loss.clone()
+        dist.all_reduce(reduced)
+        steps = step - self.last[1]
+        loss = reduced.item() / (steps * dist.get_world_size())
+        now = time.perf_counter()
+        samples = steps * cfg.grad_accum * cfg.batch_size * dist.get_world_size()
+        metrics = {
+            "train/loss": loss,
+            "lr": optimizer.param_groups[0]["lr"],
+            "samples_per_s": samples / (now - self.last[0]),
+        }
+        if self.items_name is not None:  # already summed over the ranks
+            metrics[f"{self.items_name}_per_s"] = self.items.item() / (now - self.last[0])
+        tracker.log(metrics, step, epoch)
+        log.info("epoch %d step %d: %s", epoch, step, " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        self.loss.zero_()
+        self.items.zero_()
+        self.last = (now, step)
+        return loss
+
+
+def check_objective(cfg: Config, final: dict[str, float]) -> None:
+    """`objective` must name a metric the run records; the parent checks it where the data's shape is known."""
+    if cfg.objective not in final and cfg.objective != "train/loss":
+        raise ConfigError(f"objective={cfg.objective}: the run logs no such metric; it logs {', '.join(sorted(final))}")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _length(obj: Any) -> int | None:
+    try:
+        return len(obj)
+    except TypeError:
+        return None
+
+
+def _bucket_sizes(ddp: DDP) -> list[int] | None:
+    """DDP's gradient buckets in bytes, in all-reduce order, as rebuilt after the first step (None if unknown)."""
+    try:
+        info = ddp._get_ddp_logging_data()  # private, but the one place DDP tells
+    except (AttributeError, RuntimeError):
+        return None
+    sizes = info.get("rebuilt_bucket_sizes") or info.get("bucket_sizes")
+    return [int(s) for s in str(sizes).split(",")] if sizes else None

@@ -1,0 +1,164 @@
+"""`task=`: the loop runs the user's own loss and metrics. A user task from outside ddpexp drives an Optuna study
+by its own metric; the regression and language-model tasks train on real offline data on spawn and torchrun
+with identical replicas, 2 ranks x batch B equal to 1 rank x 2B, and a killed LM run resumes bit-equal; a task
+that cannot work is refused in one line before any rank starts."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+
+from conftest import (
+    ROOT,
+    assert_same_run,
+    check_wandb_matches_record,
+    load_weights,
+    read_metrics,
+    read_summary,
+    run_ddpexp,
+)
+from ddpexp.check import components
+from ddpexp.config import ConfigError, register_configs
+from ddpexp.run import to_config
+
+USER_TASK = ["~task.top_k", "~task.label_smoothing"]  # task=classification's keys, which a user's task does not take
+TESTS_ON_PATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}
+
+
+def make_config(*overrides: str):  # type: ignore[no-untyped-def]
+    register_configs()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return to_config(compose("config", overrides=list(overrides)))
+
+
+BAD = [
+    (["task._target_=user_task.NoMetrics", *USER_TASK], "task=user_task.NoMetrics: has no metrics(model, batch) method"),
+    (["task._target_=user_task.WrongSignature", *USER_TASK], "task=user_task.WrongSignature.loss(batch): must take (model, batch)"),
+    (["task._target_=user_task.VectorLoss", *USER_TASK], "task=user_task.VectorLoss.loss: must return a scalar float tensor (the mean over the batch), got a tensor of shape (2,)"),
+    (["task._target_=user_task.CollidingMetric", *USER_TASK], "task=user_task.CollidingMetric.metrics: metric name 'train/loss' collides"),
+    (["task._target_=user_task.BrierTask", "task.top_k=[1]", "~task.label_smoothing"], "task.top_k=[1]: user_task.BrierTask takes no such argument"),
+    (["task=classification", "task.top_k=[0]"], "task.top_k=[0]: must be a list of ints >= 1"),
+    # A 1-output model on real-valued targets "completed" with loss 0.0000 under classification.
+    (["data=diabetes", "model=mlp"], "task=classification: the targets are torch.float32 values, not integer class labels"),
+    (["data=diabetes", "model=mlp", "task=regression", "objective=val/acc"], "objective=val/acc: task=ddpexp.tasks.Regression logs no such metric; it logs train/loss, val/mse, val/mae, val/r2"),
+    (["data=stdlib_text", "model=gpt", "task=classification"], "task=classification: the model outputs shape (2, 64, 98); it needs (batch, classes)"),
+    (["data=stdlib_text", "model=mlp", "task=language_model"], "model=mlp: the data gives neither in_features"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "message"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_a_task_that_cannot_work_is_one_config_error(args: list[str], message: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    with pytest.raises(ConfigError) as e:
+        components(make_config(*args))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_good_tasks_pass_the_dry_build(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    for args in (["experiment=diabetes_mlp"], ["experiment=stdlib_gpt"], ["task._target_=user_task.BrierTask",
+                 *USER_TASK, "objective=val/brier"], ["task.top_k=[1,5]", "objective=val/top5"]):  # fmt: skip
+        components(make_config(*args))
+
+
+@pytest.mark.slow
+def test_a_bad_task_stops_the_command_before_any_rank(tmp_path: Path) -> None:
+    proc = run_ddpexp("task._target_=user_task.VectorLoss", *USER_TASK, "hydra.run.dir=run", cwd=tmp_path,
+                      check=False, env=TESTS_ON_PATH)  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ddpexp: error: task=user_task.VectorLoss.loss: must return a scalar float tensor")
+    assert not (tmp_path / "run" / "logs").exists()  # no rank started
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_user_task_and_its_own_metric_drive_an_optuna_study(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    run_ddpexp(
+        "hparams_search=digits_optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.direction=minimize",
+        "objective=val/brier", "task._target_=user_task.BrierTask", *USER_TASK, "+task.temperature=1.0",
+        "gpus=2", "epochs=2", f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=240, env=TESTS_ON_PATH,
+    )  # fmt: skip
+    jobs = [sweep / str(i) for i in range(3)]
+    briers = []
+    for job in jobs:
+        summary, rows = read_summary(job), read_metrics(job)
+        assert summary["status"] == "completed" and summary["world_size"] == 2
+        assert set(summary["final"]) == {"train/loss", "val/brier", "val/acc"}
+        evals = [r for r in rows if "val/brier" in r]
+        assert len(evals) == 2 and evals[-1]["val/brier"] == summary["final"]["val/brier"]
+        assert 0 <= summary["final"]["val/brier"] <= 2  # a sum of squared probability errors over 10 classes
+        briers.append(summary["final"]["val/brier"])
+    run = check_wandb_matches_record(jobs[0])  # W&B's own reader: the user's metric, every step
+    assert run["summary"]["val/brier"] == pytest.approx(briers[0])
+    assert [h["val/brier"] for h in run["history"] if "val/brier" in h] == [r["val/brier"] for r in read_metrics(jobs[0]) if "val/brier" in r]  # fmt: skip
+    # The study minimized the user's metric: its best value is the best job's.
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert results["best_value"] == pytest.approx(min(briers))
+
+    report = run_ddpexp("report", str(sweep), cwd=tmp_path)
+    assert "objective val/brier (minimize)" in report.stdout
+    assert f"best: job {briers.index(min(briers))}, val/brier=" in report.stdout
+    with open(sweep / "report.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [float(row["val/brier"]) for row in table] == sorted(briers)
+
+
+def lm(*extra: str) -> list[str]:
+    """stdlib_gpt, shrunk to seconds: a 1-layer GPT on 40k characters, SGD (2 x B vs 1 x 2B compares updates)."""
+    return ["experiment=stdlib_gpt", "data.max_chars=40000", "data.block_size=32", "model.n_layer=1",
+            "model.n_embd=32", "optimizer=sgd", "optimizer.lr=0.5", "max_steps=12", "log_every_n_steps=2",
+            "checkpoint_every_n_steps=5", "debug.check_replicas=true", *extra]  # fmt: skip
+
+
+def regression(*extra: str) -> list[str]:
+    return ["experiment=diabetes_mlp", "optimizer=sgd", "optimizer.lr=0.05", "max_steps=12", "log_every_n_steps=2",
+            "debug.check_replicas=true", *extra]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("preset", ["diabetes_mlp", "stdlib_gpt"])
+def test_regression_and_language_model_train_exactly_on_spawn_and_torchrun(tmp_path: Path, preset: str) -> None:
+    args, batch = (regression, 8) if preset == "diabetes_mlp" else (lm, 4)
+    runs = {
+        "spawn": ["launcher=spawn", "gpus=2", f"batch_size={batch}"],
+        "torchrun": ["launcher=torchrun", "gpus=2", f"batch_size={batch}", "wandb.mode=disabled"],
+        "one": ["gpus=1", f"batch_size={2 * batch}", "wandb.mode=disabled"],
+    }
+    for name, extra in runs.items():
+        run_ddpexp(*args(*extra), f"hydra.run.dir={tmp_path / name}", cwd=tmp_path, timeout=150)
+    for name in ("spawn", "torchrun"):
+        summary = read_summary(tmp_path / name)
+        assert (summary["status"], summary["world_size"], summary["steps"]) == ("completed", 2, 12)
+        assert summary["replicas"]["identical"] and summary["replicas"]["max_abs_diff"] == 0.0
+    spawn, torchrun, one = (load_weights(tmp_path / n) for n in runs)
+    assert all(torch.equal(spawn[k], torchrun[k]) for k in spawn)  # the launcher changes nothing
+    diff = max((spawn[k] - one[k]).abs().max().item() for k in one)
+    assert diff < 1e-5, diff
+    first = read_metrics(tmp_path / "spawn")[0]
+    final = read_summary(tmp_path / "spawn")["final"]
+    if preset == "diabetes_mlp":
+        assert set(final) == {"train/loss", "val/mse", "val/mae", "val/r2"} and final["val/mse"] < first["train/loss"]
+        return
+    assert set(final) == {"train/loss", "val/loss", "val/acc", "val/ppl"}
+    assert final["val/loss"] < math.log(98) - 1 and final["val/ppl"] == pytest.approx(math.exp(final["val/loss"]))
+    assert first["tokens_per_s"] == pytest.approx(first["samples_per_s"] * 32, rel=0.05)  # 32 tokens a sample
+    check_wandb_matches_record(tmp_path / "spawn")
+
+    # Killed after step 7 (a checkpoint at 5), then the same command: the run ends bit-equal to the spawn run.
+    job = tmp_path / "killed"
+    killed = run_ddpexp(*args(*runs["spawn"], "debug.kill_at_step=7"), f"hydra.run.dir={job}", cwd=tmp_path,
+                        check=False, timeout=150)  # fmt: skip
+    assert killed.returncode == 1 and (job / "checkpoints" / "step-00000005.pt").exists()
+    resumed = run_ddpexp(*args(*runs["spawn"], "debug.kill_at_step=7"), f"hydra.run.dir={job}", cwd=tmp_path)
+    assert "step-00000005.pt" in resumed.stdout and read_summary(job)["resumed_from"]["step"] == 5
+    assert_same_run(job, tmp_path / "spawn")
