@@ -13,8 +13,9 @@ import torch
 from torchvision import datasets, transforms
 
 from conftest import load_weights, read_summary, run_ddpexp
-from ddpexp import data
-from ddpexp.inmemory import CACHE_DIR, InMemoryLoader, augment, batchable, eval_batches
+from ddpexp import data, loaders
+from ddpexp.inmemory import CACHE_DIR, augment, batchable
+from ddpexp.loaders import InMemoryLoader, eval_batches
 from test_e2e import write_mnist_idx
 
 CPU = torch.device("cpu")
@@ -45,7 +46,7 @@ def test_in_memory_batches_equal_dataloader_path_and_resume_slices(mnist_root, w
     loader_path = data.torchvision_dataset("MNIST", str(mnist_root), in_memory=False)
     for rank in range(world_size):
         fast = InMemoryLoader(batchable(memory.train), batch, rank, world_size, seed=5, device=CPU)
-        plain = data.TrainLoader(loader_path.train, batch, rank, world_size, seed=5)
+        plain = loaders.TrainLoader(loader_path.train, batch, rank, world_size, seed=5)
         assert len(fast) == len(plain) == math.ceil(math.ceil(300 / world_size) / batch)
         for epoch, start in ((0, 0), (1, 0), (1, 2)):
             fast.set_epoch(epoch, start)
@@ -66,7 +67,7 @@ def test_digits_tensor_dataset_goes_through_the_in_memory_loader() -> None:
         batch_size, seed, num_workers = 100, 0, 0
 
     splits = data.digits()
-    loader = data.train_loader(splits, Cfg, 0, 2, CPU)
+    loader = loaders.train_loader(splits, Cfg, 0, 2, CPU)
     assert isinstance(loader, InMemoryLoader) and len(loader) == 8  # 1438 / 2 = 719 per rank
     x, y = next(iter(loader))
     assert x.shape == (100, 1, 8, 8) and y.dtype == torch.long

@@ -116,6 +116,15 @@ def resolve(path: str) -> str:
     return path
 
 
+def newest(ckpt_dir: str) -> str | None:
+    """The file the `latest` marker names (not loaded: for messages), None when there is none."""
+    try:
+        with open(os.path.join(ckpt_dir, MARKER)) as f:
+            return os.path.join(ckpt_dir, f.read().strip())
+    except FileNotFoundError:
+        return None
+
+
 def find_latest(ckpt_dir: str) -> str | None:
     """The newest checkpoint that loads: the marker's file, else older step files (a kill mid-save)."""
     candidates = list(reversed(step_files(ckpt_dir)))

@@ -107,6 +107,7 @@ class Config:
     clip_grad_norm: float | None = None
     seed: int = 0
     objective: str = "val/acc"  # the final metric a job returns to a sweeper (Optuna's study optimizes it): any it logs
+    on_nonfinite: str = "stop"  # a NaN/inf loss or metric: stop (exit 1, the last finite checkpoint kept) or warn
     dist_timeout_s: float = 300.0  # a collective waiting longer than this fails the job instead of hanging it
     log_every_n_steps: int = 10
     eval_every_n_epochs: int = 1
@@ -126,6 +127,7 @@ class Config:
         check(self.gpus is None or self.gpus >= 1, f"gpus={self.gpus}: must be >= 1 (processes per node)")
         check_choice("device", self.device, DEVICES)
         check_choice("precision", self.precision, PRECISIONS)
+        check_choice("on_nonfinite", self.on_nonfinite, ("stop", "warn"))
         check(
             self.objective == "train/loss" or (self.objective.startswith("val/") and len(self.objective) > 4),
             f"objective={self.objective!r}: must be train/loss or val/NAME, a metric the task logs (val/acc, val/loss, ...)",

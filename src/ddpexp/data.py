@@ -9,9 +9,8 @@ files are there, so a missing dataset is one clear error instead of N rank trace
 from __future__ import annotations
 
 import inspect
-import itertools
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from ddpexp.config import ConfigError
@@ -54,71 +53,6 @@ class Splits:
         if name in facts:
             return facts[name]
         raise AttributeError(f"Splits has no {name!r} (its facts: {', '.join(facts) or 'none'})")
-
-
-class TrainLoader:
-    """The train loop's view of its data: `set_epoch(epoch, start_batch)`, `len()` (batches in a full epoch, or
-    None when the dataset cannot tell), iteration over (x, y) CPU batches from `start_batch` on.
-
-    Map-style datasets are sharded with DistributedSampler's order and padding; starting at batch k yields exactly
-    the batches an uninterrupted epoch would yield from k on (exact mid-epoch resume). An IterableDataset shards
-    itself (it may give ranks different counts: the loop agrees when to stop) and is skipped by consuming batches.
-    Every other data path (e.g. an in-memory one) implements the same three members.
-    """
-
-    def __init__(self, dataset: Any, batch_size: int, rank: int, world_size: int, seed: int, **loader_kwargs: Any):
-        from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
-
-        self.batch_size, self.start_batch = batch_size, 0
-        self.sampler = None
-        if not isinstance(dataset, IterableDataset):
-            self.sampler = DistributedSampler(dataset, world_size, rank, shuffle=True, seed=seed)
-            self._indices = _SkippableIndices(self.sampler)
-        sampler = self._indices if self.sampler is not None else None
-        self.loader = DataLoader(dataset, batch_size, sampler=sampler, **loader_kwargs)
-
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.start_batch = start_batch
-        if self.sampler is not None:
-            self.sampler.set_epoch(epoch)
-            self._indices.start = start_batch * self.batch_size
-
-    def __len__(self) -> int:
-        if self.sampler is None:
-            raise TypeError("an IterableDataset has no length")
-        return -(-len(self.sampler) // self.batch_size)
-
-    def __iter__(self) -> Iterator[Any]:
-        if self.sampler is not None:
-            return iter(self.loader)
-        return itertools.islice(iter(self.loader), self.start_batch, None)
-
-
-class _SkippableIndices:
-    """The sampler's indices for this epoch from position `start` on (so the DataLoader never loads skipped ones)."""
-
-    def __init__(self, sampler: Any):
-        self.sampler, self.start = sampler, 0
-
-    def __iter__(self) -> Iterator[int]:
-        return itertools.islice(iter(self.sampler), self.start, None)
-
-    def __len__(self) -> int:
-        return len(self.sampler) - self.start
-
-
-def train_loader(splits: Splits, cfg: Any, rank: int, world_size: int, device: Any) -> Any:
-    """The loader for `cfg` (batch_size, seed, num_workers): the in-memory path when the train set is one tensor
-    (data=digits, or a torchvision set held in RAM), else a DataLoader. Both have the TrainLoader interface."""
-    from ddpexp.inmemory import InMemoryLoader, batchable
-
-    tensors = batchable(splits.train)
-    if tensors is not None:
-        return InMemoryLoader(tensors, cfg.batch_size, rank, world_size, cfg.seed, device)
-    return TrainLoader(
-        splits.train, cfg.batch_size, rank, world_size, cfg.seed,
-        num_workers=cfg.num_workers, pin_memory=device.type == "cuda", persistent_workers=cfg.num_workers > 0,
-    )  # fmt: skip
 
 
 def digits(val_fraction: float = 0.2, seed: int = 0) -> Splits:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ddpexp import distributed
-from ddpexp.inmemory import eval_batches
+from ddpexp.loaders import eval_batches
 from ddpexp.tasks import check_metrics, finalize, samples, to_device
 
 

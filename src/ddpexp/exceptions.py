@@ -22,7 +22,8 @@ class RankFailure(RuntimeError):
     def __init__(self, rank: int | str, detail: str):
         self.rank, self.detail = rank, detail.strip()
         last = self.detail.splitlines()[-1] if self.detail else "no traceback"
-        super().__init__(f"rank {rank} failed: {last}\n{self.detail}")
+        more = f"\n{self.detail}" if "\n" in self.detail else ""  # a traceback; a one-line reason is said once
+        super().__init__(f"rank {rank} failed: {last}{more}")
 
 
 class Interrupted(BaseException):
@@ -41,4 +42,5 @@ class Stopped(Exception):
 
 
 class NonFinite(Exception):
-    """Inside a rank: the training loss went NaN or infinite (exit code 1, status failed)."""
+    """Inside a rank: the training loss or a metric went NaN or infinite; every rank stops at the same step
+    (exit code 1, status failed), and no checkpoint is written of that state."""

@@ -1,16 +1,15 @@
-"""The in-memory data path: a dataset that fits in RAM is decoded once into one uint8 tensor (cached as a .pt file
-under data.root), kept whole on the training device, sharded in DistributedSampler's order and batched by index
-slicing, with augmentation (random crop with padding, flip) done per batch on the device."""
+"""The in-memory data path's datasets: a dataset that fits in RAM is decoded once into one uint8 tensor (cached as a
+.pt file under data.root), kept whole on the training device and batched by index slicing (ddpexp.loaders), with
+augmentation (random crop with padding, flip) done per batch on the device."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset, DistributedSampler, TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 CACHE_DIR = "ddpexp-cache"
 CACHE_VERSION = 1  # bump when the cached layout changes: older files are rebuilt
@@ -90,44 +89,6 @@ def augment(pixels: torch.Tensor, crop_padding: int, hflip: bool) -> torch.Tenso
         flip = torch.rand(n, device=pixels.device) < 0.5
         pixels = torch.where(flip[:, None, None, None], pixels.flip(3), pixels)
     return pixels
-
-
-class InMemoryLoader:
-    """The TrainLoader interface (set_epoch, len, iter) over a batchable dataset held on `device`.
-
-    Index order and padding are DistributedSampler's (the same epochs as the DataLoader path, sample for sample);
-    starting at batch k just slices from k * batch_size."""
-
-    def __init__(self, dataset: Any, batch_size: int, rank: int, world_size: int, seed: int, device: torch.device):
-        self.data = dataset.to(device)
-        self.device, self.batch_size, self.start_batch = device, batch_size, 0
-        self.sampler = DistributedSampler(self.data, world_size, rank, shuffle=True, seed=seed)  # type: ignore[arg-type]
-
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.sampler.set_epoch(epoch)
-        self.start_batch = start_batch
-
-    def __len__(self) -> int:
-        return -(-len(self.sampler) // self.batch_size)
-
-    def __iter__(self) -> Iterator[Any]:
-        order = torch.tensor(list(self.sampler), device=self.device)
-        for start in range(self.start_batch * self.batch_size, len(order), self.batch_size):
-            yield self.data.batch(order[start : start + self.batch_size], train=True)
-
-
-def eval_batches(dataset: Any, rank: int, world_size: int, batch_size: int, device: torch.device) -> Iterator[Any]:
-    """Rank r's share of an exact evaluation, samples r, r + N, ...: by slicing when the set is batchable."""
-    from torch.utils.data import DataLoader, Subset
-
-    data = batchable(dataset)
-    if data is None:
-        yield from DataLoader(Subset(dataset, range(rank, len(dataset), world_size)), batch_size)
-        return
-    data = data.to(device)
-    mine = torch.arange(rank, len(data), world_size, device=device)
-    for start in range(0, len(mine), batch_size):
-        yield data.batch(mine[start : start + batch_size])
 
 
 def cached(name: str, root: str, split: str, decode: Any, sources: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

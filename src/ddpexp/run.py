@@ -102,7 +102,8 @@ def finish(job: Job, start: float) -> float | None:
     if summary.get("status") != "completed":
         raise RankFailure(summary.get("error", "?").rsplit("(", 1)[-1].rstrip(")"), summary.get("error", "no summary"))
     final = summary.get("final", {})
-    metrics = " ".join(f"{k}={v:.4f}" for k, v in final.items())
+    ordered = sorted(final.items(), key=lambda kv: kv[0] != "train/loss")  # train/loss, then the task's metrics
+    metrics = " ".join(f"{k}={v:.4f}" if isinstance(v, (int, float)) else f"{k}={v}" for k, v in ordered)
     print(f"ddpexp: {summary.get('status', 'finished')} in {time.time() - start:.1f}s: {metrics} -> {job.dir}")
     return final.get(yaml.safe_load(job.config_yaml).get("objective", "val/acc"))
 

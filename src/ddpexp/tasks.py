@@ -114,7 +114,8 @@ class Regression(Task):
     def finalize(self, averages: dict[str, float]) -> dict[str, float]:
         mean, square = averages.pop("_y"), averages.pop("_y2")
         variance = square - mean**2
-        averages["r2"] = 1 - averages["mse"] / variance if variance > 0 else float("nan")
+        if variance > 0:  # undefined for constant targets (e.g. one val sample): not logged then
+            averages["r2"] = 1 - averages["mse"] / variance
         return averages
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -19,12 +21,14 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpexp import checkpoint, data, distributed, speed
+from ddpexp import checkpoint, distributed, speed
 from ddpexp.config import Config, ConfigError
 from ddpexp.evaluation import evaluate
 from ddpexp.exceptions import Stopped
 from ddpexp.faults import REQUEUE, DebugFaults
 from ddpexp.job import Job
+from ddpexp.loaders import train_loader
+from ddpexp.meter import Meter
 from ddpexp.optim import build_optimizer, call_accepting
 from ddpexp.resume import Checkpointer, Position, Resumed, restore
 from ddpexp.tasks import check_loss, samples, to_device
@@ -32,10 +36,31 @@ from ddpexp.tasks import check_loss, samples, to_device
 log = logging.getLogger("ddpexp")
 
 
-def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Resumed | None, stop: Any) -> dict:
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+@dataclass
+class Parts:
+    """What one run trains, built the same way on every rank."""
 
-    # Build. The same seed on every rank gives identical initial replicas (DDP broadcasts rank 0's weights too).
+    splits: Any
+    task: Any
+    task_name: str
+    model: torch.nn.Module  # the module itself: evaluation and checkpoints use it
+    ddp: DDP
+    step_model: Any  # what the steps call: DDP, compiled or not
+    loader: Any  # the TrainLoader interface: set_epoch(epoch, start_batch), len(), iter()
+    n_batches: int | None  # None: an IterableDataset, whose epochs end when the first rank runs dry
+    total_steps: int
+    optimizer: Any
+    scheduler: Any
+    scaler: Any
+    autocast: Any
+    precision: str
+    channels_last: bool
+    memory_format: Any
+
+
+def build(cfg: Config, device: torch.device, resumed: Resumed | None) -> Parts:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # The same seed on every rank gives identical initial replicas (DDP broadcasts rank 0's weights too).
     seed_everything(cfg.seed)
     splits = instantiate(cfg.data)
     task, task_name = instantiate(cfg.task, _convert_="all"), f"task={cfg.task['_target_']}"
@@ -55,11 +80,10 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
         gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
         bucket_cap_mb=cfg.ddp.bucket_cap_mb,
     )
-    step_model = torch.compile(ddp) if cfg.compile else ddp
     seed_everything(cfg.seed + rank)  # per-rank streams for anything random from here on (dropout, augmentation)
 
-    loader = data.train_loader(splits, cfg, rank, world_size, device)
-    n_batches = _length(loader)  # None: an IterableDataset, whose epochs end when the first rank runs dry
+    loader = train_loader(splits, cfg, rank, world_size, device)
+    n_batches = _length(loader)
     steps_per_epoch = -(-n_batches // cfg.grad_accum) if n_batches is not None else None
     total_steps = min(cfg.max_steps or sys.maxsize, cfg.epochs * (steps_per_epoch or sys.maxsize))
     optimizer = build_optimizer(instantiate(cfg.optimizer), ddp.parameters(), device)
@@ -74,21 +98,34 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
         "rank %d/%d on %s: %s train / %s val samples, %s steps/epoch, %d steps",
         rank, world_size, device, _length(splits.train), _length(splits.val), steps_per_epoch, total_steps,
     )  # fmt: skip
+    step_model = torch.compile(ddp) if cfg.compile else ddp
+    return Parts(splits, task, task_name, model, ddp, step_model, loader, n_batches, total_steps, optimizer,
+                 scheduler, scaler, autocast, precision, channels_last, memory_format)  # fmt: skip
+
+
+def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Resumed | None, stop: Any) -> dict:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    p = build(cfg, device, resumed)
+    task, loader, total_steps, optimizer = p.task, p.loader, p.total_steps, p.optimizer
 
     # Restore: the weights are in; now the optimizer, schedule, position, pending loss and (below) RNG streams.
     pos, final = Position(), {}
     if resumed is not None:
-        restore(resumed, optimizer, scheduler, scaler)
+        restore(resumed, optimizer, p.scheduler, p.scaler)
         pos, final = resumed.position, dict(resumed.state.get("final", {}))
         log.info(
             "rank %d resumed from %s: step %d, epoch %d, batch %d", rank, resumed.path, pos.step, pos.epoch, pos.batch
         )
     meter = Meter(device, pos.last_log_step, getattr(task, "items", "items") if hasattr(task, "count") else None)
     meter.loss += resumed.state["loss_sum"] if resumed is not None else 0.0
-    checkpointer = Checkpointer(cfg, job, model, optimizer, scheduler, scaler, tracker)
+    checkpointer = Checkpointer(cfg, job, p.model, optimizer, p.scheduler, p.scaler, tracker)
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.dist_timeout_s))
-    agreement = distributed.StepAgreement(control, n_batches)
+    agreement = distributed.StepAgreement(control, p.n_batches)
     debug = DebugFaults(cfg.debug, rank, resumed=resumed is not None)
+
+    def save(position: Position) -> str:
+        meter.check_finite(cfg, job, position.step)  # never a checkpoint of weights that a NaN step has spoilt
+        return checkpointer.save(position, meter.loss, final)
 
     # Epochs of optimizer steps.
     step, first_step_at, scored = pos.step, None, None
@@ -103,25 +140,22 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
         batches = iter(loader)  # draws the loader's base seed from torch's RNG, as the uninterrupted run did
         if resumed is not None and epoch == pos.epoch and skip > 0:
             checkpoint.set_rng_state(resumed.state["rng"])  # after that draw, which it made before the checkpoint
-        ddp.train()
+        p.ddp.train()
         consumed = skip  # micro-batches of this epoch behind us
         while step < total_steps:
             # One step: its micro-batches on the device, the ranks' agreement (stop? epoch over? how many samples?),
             # forward/backward of each, weighted by its share of the step's items, then the optimizer.
-            group = [to_device(task, b, device, memory_format) for b in itertools.islice(batches, cfg.grad_accum)]
+            group = [to_device(task, b, device, p.memory_format) for b in itertools.islice(batches, cfg.grad_accum)]
             sizes = [samples(b) for b in group]
             ended, all_samples = agreement.before_step(stop.reason, len(group), sum(sizes))
             if ended:
                 break
             consumed += len(group)
-            divisors, items = weights(task, task_name, group, sizes, all_samples, world_size)
-            meter.add(
-                optimizer_step(cfg, task, task_name, step_model, ddp, optimizer, scaler, autocast, group, divisors),
-                items,
-            )
-            if scheduler is not None:
-                scheduler.step()
+            divisors, items = weights(task, p.task_name, group, sizes, all_samples, world_size)
             step += 1
+            meter.add(optimizer_step(cfg, p, group, divisors), items, step)
+            if p.scheduler is not None:
+                p.scheduler.step()
             if first_step_at is None:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)  # the step has run, not just been queued
@@ -130,37 +164,40 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
             debug.after_step(step)
             tracker.progress(f"epoch {epoch} step {step}/{total_steps}")
             if step % cfg.log_every_n_steps == 0 or step == total_steps:
-                final["train/loss"] = meter.log(cfg, tracker, optimizer, step, epoch)
+                final["train/loss"] = meter.log(cfg, job, tracker, optimizer, step, epoch)
             if reason:  # after the step of the batches already drawn (augmentation draws RNG): a resume redoes none
-                path = checkpointer.save(Position(epoch, consumed, step, meter.last[1]), meter.loss, final)
+                path = save(Position(epoch, consumed, step, meter.last[1]))
                 raise Stopped(stop.signame or "a rank's stop signal", reason == REQUEUE, step, path)
             if cfg.checkpoint_every_n_steps and step % cfg.checkpoint_every_n_steps == 0 and step < total_steps:
-                checkpointer.save(Position(epoch, consumed, step, meter.last[1]), meter.loss, final)
+                save(Position(epoch, consumed, step, meter.last[1]))
 
         # The epoch's end: an exact evaluation, then a checkpoint. Stopped by max_steps inside the epoch, the
         # checkpoint keeps that position, so a larger max_steps continues with the epoch's next batch.
         last_epoch = step >= total_steps or epoch == cfg.epochs - 1
-        if step >= total_steps and consumed < (n_batches or sys.maxsize):
+        if step >= total_steps and consumed < (p.n_batches or sys.maxsize):
             position = Position(epoch, consumed, step, meter.last[1])
         else:
             position = Position(epoch + 1, 0, step, meter.last[1])
         if (epoch + 1) % cfg.eval_every_n_epochs == 0 or last_epoch:
             metrics, scored = evaluate(
-                task, model, splits.val, cfg.batch_size, device, autocast, memory_format, task_name
+                task, p.model, p.splits.val, cfg.batch_size, device, p.autocast, p.memory_format, p.task_name
             )
             tracker.log(metrics, step, epoch)
             final.update(metrics)
             check_objective(cfg, final)
+            for key, value in metrics.items():
+                if not math.isfinite(value):
+                    meter.nonfinite(cfg, job, key, value, step, step)
             log.info("epoch %d step %d: %s", epoch, step, " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         if last_epoch or (cfg.checkpoint_every_n_epochs and (epoch + 1) % cfg.checkpoint_every_n_epochs == 0):
-            checkpointer.save(position, meter.loss, final)
+            save(position)
 
-    result: dict[str, Any] = {"final": final, "steps": step, "epochs": epoch + 1, "val_samples": _length(splits.val)}
-    result.update(val_scored=scored, data_path=type(loader).__name__, precision=precision, channels_last=channels_last)
-    result["ddp_buckets"] = _bucket_sizes(ddp)
+    result: dict[str, Any] = {"final": final, "steps": step, "epochs": epoch + 1, "val_samples": _length(p.splits.val)}
+    result.update(val_scored=scored, data_path=type(loader).__name__, precision=p.precision)
+    result.update(channels_last=p.channels_last, ddp_buckets=_bucket_sizes(p.ddp))
     result["first_step_at"] = first_step_at  # unix time the first optimizer step of this attempt ended
     if cfg.debug.check_replicas:
-        result["replicas"] = distributed.compare_replicas(model)
+        result["replicas"] = distributed.compare_replicas(p.model)
     return result
 
 
@@ -189,59 +226,23 @@ def weights(
     return [sum(sizes) / n for n in sizes], None
 
 
-def optimizer_step(cfg, task, task_name, step_model, ddp, optimizer, scaler, autocast, group, divisors) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def optimizer_step(cfg: Config, p: Parts, group: list[Any], divisors: list[Any]) -> torch.Tensor:
     """Forward/backward over the micro-batches of one step (no all-reduce until the last), then step. Returns the
     step's loss on this rank (its items' share), on the device."""
-    total = torch.zeros((), device=next(ddp.parameters()).device)
+    total = torch.zeros((), device=next(p.model.parameters()).device)
     for j, (batch, divisor) in enumerate(zip(group, divisors)):
         sync = j == len(group) - 1
-        with nullcontext() if sync else ddp.no_sync(), autocast:
-            loss = check_loss(task.loss(step_model, batch), task_name) / divisor
-        scaler.scale(loss).backward()
+        with nullcontext() if sync else p.ddp.no_sync(), p.autocast:
+            loss = check_loss(p.task.loss(p.step_model, batch), p.task_name) / divisor
+        p.scaler.scale(loss).backward()
         total += loss.detach()
     if cfg.clip_grad_norm:
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), cfg.clip_grad_norm)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
+        p.scaler.unscale_(p.optimizer)
+        torch.nn.utils.clip_grad_norm_(p.ddp.parameters(), cfg.clip_grad_norm)
+    p.scaler.step(p.optimizer)
+    p.scaler.update()
+    p.optimizer.zero_grad(set_to_none=True)
     return total
-
-
-class Meter:
-    """The train loss (and a counting task's items) of each log interval, summed on the device and read once per
-    interval: the loop's only host sync, on every rank (an all-reduce)."""
-
-    def __init__(self, device: torch.device, step: int, items: str | None):
-        self.loss = torch.zeros((), device=device)
-        self.items_name, self.items = items, torch.zeros((), dtype=torch.float64, device=device)
-        self.last = (time.perf_counter(), step)  # (time, step) of the last log line
-
-    def add(self, loss: torch.Tensor, items: Any) -> None:
-        self.loss += loss
-        if items is not None:
-            self.items += items
-
-    def log(self, cfg: Config, tracker: Any, optimizer: Any, step: int, epoch: int) -> float:
-        reduced = self.loss.clone()
-        dist.all_reduce(reduced)
-        steps = step - self.last[1]
-        loss = reduced.item() / (steps * dist.get_world_size())
-        now = time.perf_counter()
-        samples = steps * cfg.grad_accum * cfg.batch_size * dist.get_world_size()
-        metrics = {
-            "train/loss": loss,
-            "lr": optimizer.param_groups[0]["lr"],
-            "samples_per_s": samples / (now - self.last[0]),
-        }
-        if self.items_name is not None:  # already summed over the ranks
-            metrics[f"{self.items_name}_per_s"] = self.items.item() / (now - self.last[0])
-        tracker.log(metrics, step, epoch)
-        log.info("epoch %d step %d: %s", epoch, step, " ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
-        self.loss.zero_()
-        self.items.zero_()
-        self.last = (now, step)
-        return loss
 
 
 def check_objective(cfg: Config, final: dict[str, float]) -> None:

@@ -69,12 +69,17 @@ def main(cfg: Config, job: Job) -> None:
         log.warning("%s: stopped at step %d, checkpoint %s", e.signal, e.step, e.path)
     except BaseException as e:
         # The traceback to this rank's log file only: the launcher shows the failing rank's once, not every echo.
-        if not isinstance(e, NonFinite):
+        # A non-finite loss is no crash: its one line says all (every rank stopped at the same step).
+        if isinstance(e, NonFinite):
+            log.error("%s", e)
+            detail = f"{type(e).__name__}: {e}"
+        else:
             handlers[0].handle(
                 log.makeRecord(log.name, logging.ERROR, __file__, 0, "rank %d failed", (rank,), sys.exc_info())
             )
+            detail = traceback.format_exc()
         summary["error"] = f"{type(e).__name__}: {e} (rank {rank})"
-        write_json(job.error_path(rank), {"rank": rank, "time": time.time(), "traceback": traceback.format_exc()})
+        write_json(job.error_path(rank), {"rank": rank, "time": time.time(), "traceback": detail})
         raise
     finally:
         summary["wall_time_s"] = round(time.time() - start, 3)
