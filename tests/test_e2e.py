@@ -4,6 +4,7 @@ Each test starts few processes and checks many things; every run has a hard time
 
 from __future__ import annotations
 
+import re
 import socket
 import struct
 import subprocess
@@ -61,8 +62,11 @@ def test_spawn_two_ranks_and_equal_to_one_rank_double_batch(tmp_path: Path) -> N
     assert all(m["lr"] == 0.05 and m["samples_per_s"] > 0 for m in metrics if "train/loss" in m)
     check_wandb_matches_record(two)
 
-    run_ddpexp(*common, "gpus=1", "batch_size=64", f"hydra.run.dir={one}", cwd=tmp_path)
+    single = run_ddpexp(*common, "gpus=1", "batch_size=64", f"hydra.run.dir={one}", cwd=tmp_path)
     assert read_summary(one)["world_size"] == 1
+    for out in (proc.stdout, single.stdout):  # in-process (gpus=1) or spawned, rank 0 logs in one format, once
+        lines = [line for line in out.splitlines() if "epoch 0 step 5: train/loss" in line]
+        assert len(lines) == 1 and re.match(r"\[\d\d:\d\d:\d\d\]\[rank0\] epoch 0 step 5: train/loss", lines[0]), out
     w2, w1 = load_weights(two), load_weights(one)
     assert w2.keys() == w1.keys()
     max_diff = max((w2[k] - w1[k]).abs().max().item() for k in w1)

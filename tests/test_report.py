@@ -178,3 +178,38 @@ def test_bad_path_is_one_line_and_exit_2(tmp_path: Path, args: list[str], messag
     )  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.startswith(message) and len(proc.stderr.splitlines()) == 1, proc
     assert proc.stdout == ""
+
+
+def test_a_job_whose_loss_went_nan_is_reported_failed_and_plotted_without_it(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The record writes a NaN as null (strict JSON): the table and the plots skip it."""
+    sweep = tmp_path / "sweep"
+    write_job(sweep / "0", ["optimizer.lr=0.001"], "completed", [0.7, 0.9])
+    bad = sweep / "1"
+    write_job(bad, ["optimizer.lr=1e30"], "failed", [])
+    (bad / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "epoch": 0, "train/loss": 2.3})
+        + "\n"
+        + json.dumps({"step": 2, "epoch": 0, "train/loss": None})
+        + "\n"
+    )
+    error = "rank 0 failed: NonFinite: train/loss went non-finite (nan) at step 2; stopped at step 2"
+    summary = json.loads((bad / "summary.json").read_text())
+    (bad / "summary.json").write_text(json.dumps({**summary, "error": error, "final": {"train/loss": None}}))
+    assert report_main([str(sweep)]) == 0
+    out = capsys.readouterr().out
+    assert f"job 1 (failed): {error}" in out
+    assert png_size(sweep / "report_curves.png")[0] > 0 and png_size(sweep / "report_objective.png")[0] > 0
+
+
+def test_the_objective_plot_keeps_its_legend_off_the_title(sweep: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from ddpexp import plots
+    from ddpexp.report import build
+
+    fig = plots.objective_figure(build([str(sweep)], None, None))
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    title, legend = fig._suptitle.get_window_extent(renderer), fig.legends[0].get_window_extent(renderer)
+    assert not title.overlaps(legend), (title, legend)

@@ -97,11 +97,22 @@ def load(path: str) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # unpickling arbitrary bytes fails in many ways (KeyError, IndexError, struct.error...)
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {path}: refused, not a plain tensor checkpoint ({first})") from None
+        raise CheckpointError(f"checkpoint {path}: refused, not a plain tensor checkpoint ({_why(e)})") from None
     if not isinstance(state, dict) or not {"model", "step", "config"} <= set(state):
         raise CheckpointError(f"checkpoint {path}: refused, not a ddpexp checkpoint (no model/step/config)")
     return state
+
+
+def _why(error: Exception) -> str:
+    """torch's reason in one line, without its advice to load with weights_only=False (which would run the code
+    in the file): for a refused pickle the line naming what it holds, else the error's type and first line."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    named = [line for line in lines if "GLOBAL" in line or "Unsupported" in line]
+    if named:
+        return named[0].rstrip(".")
+    if lines and "weights_only" not in lines[0]:
+        return f"{type(error).__name__}: {lines[0]}"
+    return type(error).__name__
 
 
 def resolve(path: str) -> str:

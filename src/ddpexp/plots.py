@@ -63,7 +63,8 @@ def curves(path: str, r: dict[str, Any]) -> None:
     axes = list(axes.flat)
     for ax, metric in zip(axes, metrics):
         for job, colour in zip(jobs, colours(len(jobs))):
-            points = [(row["step"], row[metric]) for row in job.rows if metric in row and "step" in row]
+            # A NaN is null in the record (strict JSON): no point there.
+            points = [(row["step"], row[metric]) for row in job.rows if row.get(metric) is not None and "step" in row]
             if not points:
                 continue
             x, y = zip(*points)
@@ -88,6 +89,14 @@ def curves(path: str, r: dict[str, Any]) -> None:
 
 
 def objective(path: str, r: dict[str, Any]) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = objective_figure(r)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def objective_figure(r: dict[str, Any]) -> Any:
     import matplotlib.pyplot as plt
 
     from ddpexp.records import fmt_param, objective_value
@@ -135,11 +144,11 @@ def objective(path: str, r: dict[str, Any]) -> None:
     if spare:  # an empty panel of the grid holds the legend
         spare[0].legend(handles, labels, loc="center", fontsize=8, frameon=False)
     else:
-        fig.legend(handles, labels, loc="outside right upper", fontsize=8, frameon=False)
+        # Below the panels: beside them, the legend ran into the title (constrained layout leaves it the top).
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False)
     direction = r["direction"]
     fig.suptitle(f"{name} ({direction}) vs each swept parameter; star: best job", fontsize=10)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def _positions(raw: list[str | None]) -> tuple[list[float], list[str | None] | None]:

@@ -125,7 +125,8 @@ def init_wandb(
         try:
             run = _wandb_init(cfg, job, config, attempt, run_id)
         except Exception as e:  # no network, bad key, service error: warn and go on
-            log.warning("W&B %s init failed (%s: %s); continuing without it", attempt, type(e).__name__, e)
+            then = "trying offline instead" if attempt == "online" else "going on without W&B (metrics.jsonl only)"
+            log.warning("W&B %s init failed (%s: %s); %s", attempt, type(e).__name__, str(e).strip(), then)
             continue
         run_dir = os.path.dirname(run.dir)
         if attempt == "offline":

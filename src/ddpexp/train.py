@@ -98,6 +98,8 @@ def build(cfg: Config, device: torch.device, resumed: Resumed | None) -> Parts:
         "rank %d/%d on %s: %s train / %s val samples, %s steps/epoch, %d steps",
         rank, world_size, device, _length(splits.train), _length(splits.val), steps_per_epoch, total_steps,
     )  # fmt: skip
+    if rank == 0:
+        warn_about_sizes(_length(splits.train), world_size, cfg.batch_size)
     step_model = torch.compile(ddp) if cfg.compile else ddp
     return Parts(splits, task, task_name, model, ddp, step_model, loader, n_batches, total_steps, optimizer,
                  scheduler, scaler, autocast, precision, channels_last, memory_format)  # fmt: skip
@@ -249,6 +251,25 @@ def check_objective(cfg: Config, final: dict[str, float]) -> None:
     """`objective` must name a metric the run records; the parent checks it where the data's shape is known."""
     if cfg.objective not in final and cfg.objective != "train/loss":
         raise ConfigError(f"objective={cfg.objective}: the run logs no such metric; it logs {', '.join(sorted(final))}")
+
+
+def warn_about_sizes(n: int | None, world_size: int, batch_size: int) -> None:
+    """Sizes that train, but not as the user likely meant: DistributedSampler pads every rank's shard to the same
+    length with repeated samples, and a batch larger than a shard is one short step per epoch."""
+    if n is None or n == 0:
+        return
+    shard = -(-n // world_size)
+    padding = shard * world_size - n
+    if padding * 10 > shard * world_size:
+        log.warning(
+            "warning: %d train samples on %d ranks: DistributedSampler pads the shards with %d repeated samples, "
+            "%d%% of every epoch", n, world_size, padding, round(100 * padding / (shard * world_size)),
+        )  # fmt: skip
+    if batch_size > shard:
+        log.warning(
+            "warning: batch_size=%d is more than each rank's %d train samples: one step per epoch, of %d samples a rank",
+            batch_size, shard, shard,
+        )  # fmt: skip
 
 
 def seed_everything(seed: int) -> None:

@@ -92,6 +92,7 @@ def main(cfg: Config, job: Job) -> None:
         for h in handlers:
             logging.getLogger("ddpexp").removeHandler(h)
             h.close()
+        logging.getLogger("ddpexp").propagate = True  # the command's own lines, after an in-process rank
 
 
 def _device(cfg: Config, local_rank: int) -> torch.device:
@@ -104,11 +105,15 @@ def _device(cfg: Config, local_rank: int) -> torch.device:
 
 
 def _setup_logging(job: Job, rank: int) -> list[logging.Handler]:
+    """Each rank to logs/rank{N}.log, rank 0 also to stdout, in one format whether the rank runs in the command's
+    own process (gpus=1: Hydra's handlers are there, and would print its lines a second time, in Hydra's format)
+    or in a process of its own."""
     logger = logging.getLogger("ddpexp")
     logger.setLevel(logging.INFO)
+    logger.propagate = False
     os.makedirs(os.path.dirname(job.log_path(rank)), exist_ok=True)
     handlers: list[logging.Handler] = [logging.FileHandler(job.log_path(rank))]
-    if rank == 0 and not logging.getLogger().handlers:  # a spawned process: Hydra's console handler is not here
+    if rank == 0:
         handlers.append(logging.StreamHandler(sys.stdout))
     for h in handlers:
         h.setFormatter(logging.Formatter(f"[%(asctime)s][rank{rank}] %(message)s", "%H:%M:%S"))
