@@ -48,7 +48,7 @@ def test_a_nan_loss_stops_every_rank_at_that_step_and_keeps_the_last_finite_chec
         assert "train/loss went non-finite (nan) at step 2" in log.read_text(), log
 
     warned = tmp_path / "warned"
-    proc = run_ddpexp(*common, "on_nonfinite=warn", f"hydra.run.dir={warned}", cwd=tmp_path)
+    proc = run_ddpexp(*common, "gpus=1", "on_nonfinite=warn", f"hydra.run.dir={warned}", cwd=tmp_path)
     assert "train/loss went non-finite (nan) at step 2; going on (on_nonfinite=warn)" in proc.stdout
     summary = strict_json((warned / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 8
@@ -62,7 +62,7 @@ def test_a_nan_trial_is_a_failed_trial_and_the_study_goes_on(tmp_path: Path) -> 
     sweep = tmp_path / "sweep"
     proc = run_ddpexp(
         "hparams_search=digits_optuna", "objective=val/loss", "hydra.sweeper.direction=minimize",
-        "optimizer.lr=choice(1e30,1e-3)", "hydra.sweeper.n_trials=3", "gpus=2", "max_steps=6",
+        "optimizer.lr=choice(1e30,1e-3)", "hydra.sweeper.n_trials=3", "gpus=1", "max_steps=4",
         "wandb.mode=disabled", f"hydra.sweep.dir={sweep}", cwd=tmp_path, check=False, timeout=280,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
@@ -81,5 +81,5 @@ def test_a_nan_trial_is_a_failed_trial_and_the_study_goes_on(tmp_path: Path) -> 
     assert proc.returncode == 1 and f"ddpexp: {len(failed)} job(s) of the sweep failed:" in proc.stderr
     for i in failed:
         assert re.search(
-            rf"{re.escape(str(sweep / str(i)))}: rank [01] failed: NonFinite: \S+ went non-finite", proc.stderr
+            rf"{re.escape(str(sweep / str(i)))}: rank 0 failed: NonFinite: \S+ went non-finite", proc.stderr
         )

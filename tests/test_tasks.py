@@ -124,9 +124,12 @@ def regression(*extra: str) -> list[str]:
             "debug.check_replicas=true", *extra]  # fmt: skip
 
 
+TASK_PRESETS = ("diabetes_mlp", "stdlib_gpt")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("preset", ["diabetes_mlp", "stdlib_gpt"])
+@pytest.mark.parametrize("preset", TASK_PRESETS)
 def test_regression_and_language_model_train_exactly_on_spawn_and_torchrun(tmp_path: Path, preset: str) -> None:
     args, batch = (regression, 8) if preset == "diabetes_mlp" else (lm, 4)
     runs = {
