@@ -1,4 +1,4 @@
-"""`python -m ddpexp [overrides]`: Hydra composes conf/, then run.run() launches the job (or each job of -m).
+"""`python -m ddpexp [overrides]`: Hydra composes conf/, then parent.run() launches the job (or each job of -m).
 `python -m ddpexp report PATH...` tabulates finished jobs (ddpexp.report)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def _task(dcfg: Any) -> Any:
     from hydra.types import RunMode
 
     from ddpexp.errors import report
-    from ddpexp.run import run
+    from ddpexp.parent import run
 
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return run_in_sweep(dcfg)
@@ -32,7 +32,7 @@ def run_in_sweep(dcfg: Any) -> Any:
     from ddpexp.errors import FAILED, is_config_error, one_line
     from ddpexp.launchers import Interrupted, RankFailure
     from ddpexp.objective import failed_trial
-    from ddpexp.run import run
+    from ddpexp.parent import run
 
     try:
         return run(dcfg)
@@ -64,8 +64,8 @@ def main() -> None:
     install_error_reporting()
     install_record_guard()
     hydra.main(config_path=os.path.normpath(CONF_DIR), config_name="config", version_base="1.3")(_task)()
-    if "ddpexp.run" in sys.modules:  # a multirun that submitted jobs to a scheduler: wait for them now
-        FAILED.extend(sys.modules["ddpexp.run"].wait_deferred())
+    if "ddpexp.parent" in sys.modules:  # a multirun that submitted jobs to a scheduler: wait for them now
+        FAILED.extend(sys.modules["ddpexp.parent"].wait_deferred())
     if FAILED:
         sys.exit(failed_jobs_message())
 

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 # job dir -> its .hydra/ files (name -> bytes) as they were before Hydra rewrote them for this attempt
 EARLIER_HYDRA: dict[str, dict[str, bytes]] = {}
-LAUNCHED: set[str] = set()  # job dirs whose ranks were started (run.run adds them)
+LAUNCHED: set[str] = set()  # job dirs whose ranks were started (parent.run adds them)
 
 
 def install_record_guard() -> None:
