@@ -109,7 +109,7 @@ def test_example_project_via_python(project: Path) -> None:
 
     fails = r["rank_fails"]
     assert fails["raised"] == "RunFailed"
-    assert fails["message"].startswith("rank 1 failed: RuntimeError: debug.fail_at_step=2: rank 1 fails on purpose")
+    assert fails["message"].startswith("rank 0 failed: RuntimeError: debug.fail_at_step=2: rank 0 fails on purpose")
     assert [s["record"]["status"] for s in fails["summaries"]] == ["failed"]
 
     sweep = r["sweep"]
