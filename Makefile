@@ -11,7 +11,7 @@ fast:  # no multi-process runs, no Slurm
 	python -m pytest -m "not slow and not slurm"
 
 lint:
-	ruff check src tests && ruff format --check src tests
+	ruff check src tests examples && ruff format --check src tests examples
 
 ci:
 	bash .ci/run

@@ -13,7 +13,7 @@ from conftest import ROOT, run_ddpexp
 from ddpexp.check import components
 from ddpexp.config import Config, ConfigError, register_configs
 from ddpexp.data import Splits
-from ddpexp.run import to_config
+from ddpexp.parent import to_config
 
 
 def make_config(*overrides: str) -> Config:

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from conftest import ROOT, ddpexp_env, run_ddpexp
 from ddpexp.config import Config, ConfigError, register_configs
 from ddpexp.launchers import launcher_schemas
-from ddpexp.run import to_config
+from ddpexp.parent import to_config
 
 CONF = ROOT / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
@@ -171,7 +171,7 @@ BAD_INPUT = [
 
 
 def test_config_drift_names_the_result_changing_keys_only() -> None:
-    from ddpexp.run import config_drift
+    from ddpexp.parent import config_drift
 
     old = {"model": {"_target_": "m", "hidden": [256]}, "data": {"root": "/a", "seed": 0}, "batch_size": 64,
            "gpus": 2, "launcher": {"nnodes": "1"}, "epochs": 5, "wandb": {"mode": "offline"}}  # fmt: skip
@@ -207,7 +207,7 @@ def test_help_and_cfg_do_not_import_torch(tmp_path: Path, flag: str) -> None:
 def test_more_gpus_than_visible_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from ddpexp.run import resolve_devices
+    from ddpexp.parent import resolve_devices
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # this machine has no GPU to count
     cfg = make_config("device=cuda", "gpus=4")

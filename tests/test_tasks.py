@@ -26,7 +26,7 @@ from conftest import (
 )
 from ddpexp.check import components
 from ddpexp.config import ConfigError, register_configs
-from ddpexp.run import to_config
+from ddpexp.parent import to_config
 
 USER_TASK = ["~task.top_k", "~task.label_smoothing"]  # task=classification's keys, which a user's task does not take
 TESTS_ON_PATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}

@@ -1,3 +1,31 @@
-"""ddpexp: Hydra-configured PyTorch DistributedDataParallel experiments with pluggable launchers."""
+"""ddpexp: Hydra-configured PyTorch DistributedDataParallel experiments with pluggable launchers.
+
+`ddpexp.run([...])` runs from Python what the `ddpexp` command runs. Importing ddpexp imports neither torch nor
+Hydra: each name below is imported on first use."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from ddpexp.api import Summary, run
+    from ddpexp.config import ConfigError
+    from ddpexp.errors import RunFailed
+    from ddpexp.launchers import Interrupted
+
+_PUBLIC = {"run": "ddpexp.api", "Summary": "ddpexp.api", "ConfigError": "ddpexp.config",
+           "RunFailed": "ddpexp.errors", "Interrupted": "ddpexp.launchers"}  # fmt: skip
+__all__ = ["ConfigError", "Interrupted", "RunFailed", "Summary", "run"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'ddpexp' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

@@ -1,50 +1,26 @@
-"""`python -m ddpexp [overrides]`: Hydra composes conf/, then run.run() launches the job (or each job of -m).
-`python -m ddpexp report PATH...` tabulates finished jobs (ddpexp.report)."""
+"""`ddpexp [overrides]` (or `python -m ddpexp`): Hydra composes ddpexp's configs (packaged as ddpexp/conf/) and a
+user project's (`--config-dir DIR`, or ./conf), then parent.run() launches the job (or each job of -m).
+`ddpexp report PATH...` tabulates finished jobs (ddpexp.report). From Python: ddpexp.run([...]) (ddpexp.api)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
 import hydra
-
-CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "conf")
 
 
 def _task(dcfg: Any) -> Any:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from ddpexp.command import run_in_sweep
     from ddpexp.errors import report
-    from ddpexp.run import run
+    from ddpexp.parent import run
 
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return run_in_sweep(dcfg)
     return report(lambda: run(dcfg))
-
-
-def run_in_sweep(dcfg: Any) -> Any:
-    """One job of a multirun: a failure is recorded and counted, and the sweep goes on (Hydra's basic sweeper
-    would stop it); an Optuna sweeper records a failed trial. A signal stops the whole sweep."""
-    from hydra.core.hydra_config import HydraConfig
-
-    from ddpexp.errors import FAILED, is_config_error, one_line
-    from ddpexp.launchers import Interrupted, RankFailure
-    from ddpexp.objective import failed_trial
-    from ddpexp.run import run
-
-    try:
-        return run(dcfg)
-    except Interrupted:
-        raise
-    except Exception as e:
-        if not isinstance(e, RankFailure) and not is_config_error(e):
-            raise
-        line = str(e).splitlines()[0] if isinstance(e, RankFailure) else one_line(e)
-        FAILED.append(f"{HydraConfig.get().runtime.output_dir}: {line}")
-        print(f"ddpexp: error: job {HydraConfig.get().job.num} failed: {line}", file=sys.stderr)
-        return failed_trial()
 
 
 def main() -> None:
@@ -52,22 +28,23 @@ def main() -> None:
         from ddpexp.report import main as report_main
 
         sys.exit(report_main(sys.argv[2:]))
+    from ddpexp import command, project
     from ddpexp.config import register_configs
-    from ddpexp.errors import FAILED, failed_jobs_message, install_error_reporting
+    from ddpexp.errors import failed_jobs_message, install_error_reporting
     from ddpexp.sweep import install_record_guard
 
-    if not os.path.isdir(CONF_DIR):
-        sys.exit(
-            f"ddpexp: error: no conf/ at {os.path.normpath(CONF_DIR)}: install ddpexp from its checkout (pip install -e .)"
-        )
+    given = project.given_config_dir(sys.argv[1:])
+    conf = project.config_dir(given)
+    if conf is not None and given is None:  # ./conf: as if given, so the resume and plan lines carry it
+        sys.argv[1:1] = ["--config-dir", conf]
     register_configs()
     install_error_reporting()
     install_record_guard()
-    hydra.main(config_path=os.path.normpath(CONF_DIR), config_name="config", version_base="1.3")(_task)()
-    if "ddpexp.run" in sys.modules:  # a multirun that submitted jobs to a scheduler: wait for them now
-        FAILED.extend(sys.modules["ddpexp.run"].wait_deferred())
-    if FAILED:
-        sys.exit(failed_jobs_message())
+    with command.begin(sys.argv[1:]) as cmd, project.on_path(conf):
+        hydra.main(config_path=project.PACKAGE_CONF, config_name="config", version_base="1.3")(_task)()
+        command.wait_deferred()  # a multirun that submitted jobs to a scheduler: wait for them now
+        if cmd.failed:
+            sys.exit(f"ddpexp: {failed_jobs_message()}")
 
 
 if __name__ == "__main__":

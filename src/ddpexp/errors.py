@@ -1,5 +1,6 @@
-"""How the command fails: config mistakes as one `ddpexp: error:` line (exit 2), rank failures with the tail of
-the failing rank's traceback (exit 1). Hydra's own reporting prints multi-line messages and stack frames."""
+"""How a command fails: config mistakes as one `ddpexp: error:` line (exit 2), rank failures with the tail of
+the failing rank's traceback (exit 1). Hydra's own reporting prints multi-line messages and stack frames. The same
+verdicts reach Python callers of `ddpexp.run` as exceptions: ConfigError, RunFailed, Interrupted."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from ddpexp.command import current
+
 CONFIG_EXIT, FAILED_EXIT, INTERRUPTED_EXIT = 2, 1, 130
-FAILED: list[str] = []  # jobs of this multirun that failed, as "job_dir: error"
 HERE = os.path.dirname(__file__)  # ddpexp's code: an error raised there is the job's, not the command line's
 _SKIP = ("full_key:", "object_type=", "reference_type=", "Set the environment variable HYDRA_FULL_ERROR")
 
@@ -49,30 +51,46 @@ def is_config_error(error: BaseException) -> bool:
     return isinstance(error, (ConfigError, HydraException, OmegaConfBaseException))
 
 
-def report(func: Callable[[], Any]) -> Any:
+class RunFailed(RuntimeError):
+    """`ddpexp.run`: a job failed (a rank raised or died), or jobs of a sweep did; where the command exits 1.
+    `summaries`: the run record of each job (summary.json; None for a job that stopped before its ranks started)."""
+
+    def __init__(self, message: str, summaries: list[Any] | None = None):
+        super().__init__(message)
+        self.summaries = summaries or []
+
+
+def verdict(error: BaseException) -> tuple[int, str] | None:
+    """(exit code, message) for an error the command reports in one line (or with the failing rank's traceback);
+    None for anything else: a bug, whose traceback is shown. Interrupted and KeyboardInterrupt exit 130."""
     from ddpexp.launchers import Interrupted, RankFailure
 
+    if isinstance(error, RankFailure):
+        return FAILED_EXIT, f"error: {error}"
+    if isinstance(error, Interrupted):
+        return INTERRUPTED_EXIT, str(error)
+    if isinstance(error, KeyboardInterrupt):
+        return INTERRUPTED_EXIT, (
+            "interrupted again: ranks stopped at once; the same command with hydra.run.dir=<its job dir> "
+            "continues from the last checkpoint"
+        )
+    if not isinstance(error, Exception):
+        return None
+    if current().failed and "No trials are completed yet" in str(error):  # Optuna's end when every trial failed
+        return FAILED_EXIT, failed_jobs_message("every trial of the study failed: ")
+    message = job_dir_error(error) or (one_line(error) if is_config_error(error) else None)
+    return None if message is None else (CONFIG_EXIT, f"error: {message}")
+
+
+def report(func: Callable[[], Any]) -> Any:
     try:
         return func()
-    except RankFailure as e:
-        print(f"ddpexp: error: {e}", file=sys.stderr)
-        sys.exit(FAILED_EXIT)
-    except Interrupted as e:
-        print(f"ddpexp: {e}", file=sys.stderr)
-        sys.exit(INTERRUPTED_EXIT)
-    except KeyboardInterrupt:
-        print("ddpexp: interrupted again: ranks stopped at once; the same command with hydra.run.dir=<its job dir> "
-              "continues from the last checkpoint", file=sys.stderr)  # fmt: skip
-        sys.exit(INTERRUPTED_EXIT)
-    except Exception as e:
-        if FAILED and "No trials are completed yet" in str(e):  # the Optuna sweeper's end when every trial failed
-            print(failed_jobs_message("every trial of the study failed: "), file=sys.stderr)
-            sys.exit(FAILED_EXIT)
-        message = job_dir_error(e) or (one_line(e) if is_config_error(e) else None)
-        if message is None:
+    except BaseException as e:
+        found = verdict(e)
+        if found is None:
             raise
-        print(f"ddpexp: error: {message}", file=sys.stderr)
-        sys.exit(CONFIG_EXIT)
+        print(f"ddpexp: {found[1]}", file=sys.stderr)
+        sys.exit(found[0])
 
 
 def job_dir_error(error: BaseException) -> str | None:
@@ -116,7 +134,8 @@ def why_not_dir(path: str, error: OSError) -> str:
 
 
 def failed_jobs_message(headline: str = "") -> str:
-    return f"ddpexp: {headline}{len(FAILED)} job(s) of the sweep failed:\n  " + "\n  ".join(FAILED)
+    failed = current().failed
+    return f"{headline}{len(failed)} job(s) of the sweep failed:\n  " + "\n  ".join(failed)
 
 
 def install_error_reporting() -> None:
@@ -152,9 +171,9 @@ def install_cli_errors() -> None:
         return parser
 
     def _run_hydra_one_line(**kwargs: Any) -> Any:
-        for override in getattr(kwargs.get("args"), "overrides", None) or []:
-            if override.lstrip("+~").startswith("="):
-                _cli_exit(f"override {override!r}: no KEY before '=' (overrides are KEY=VALUE)")
+        bad = bad_override(getattr(kwargs.get("args"), "overrides", None) or [])
+        if bad:
+            _cli_exit(bad)
         try:
             return run_hydra(**kwargs)
         except Exception as e:  # Hydra's own (the job's own errors reach here only with HYDRA_FULL_ERROR=1)
@@ -166,6 +185,14 @@ def install_cli_errors() -> None:
             _cli_exit(one_line(e))
 
     hydra_main.get_args_parser, hydra_main._run_hydra = _get_args_parser, _run_hydra_one_line
+
+
+def bad_override(overrides: list[str]) -> str | None:
+    """What Hydra's override parser would report as a grammar error with no word of the cause (`=3`)."""
+    for override in overrides:
+        if override.lstrip("+~").startswith("="):
+            return f"override {override!r}: no KEY before '=' (overrides are KEY=VALUE)"
+    return None
 
 
 def _cli_exit(message: str) -> Any:

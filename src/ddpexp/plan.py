@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from ddpexp.command import current
+
 
 def render(cfg: Any, job: Any, launcher: Any) -> str:
     """launcher.plan(cfg, job) gives {"command", "ranks": [env per rank], "script" (optional)}."""
@@ -26,7 +28,7 @@ def render(cfg: Any, job: Any, launcher: Any) -> str:
 
 
 def this_command() -> str:
-    return " ".join([sys.executable, "-m", "ddpexp", *sys.argv[1:]])
+    return " ".join([sys.executable, "-m", "ddpexp", *current().argv])
 
 
 def local_ranks(cfg: Any, node_rank: Any, world_size: Any, master: tuple[str, str]) -> list[dict[str, str]]:

@@ -12,9 +12,7 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-# job dir -> its .hydra/ files (name -> bytes) as they were before Hydra rewrote them for this attempt
-EARLIER_HYDRA: dict[str, dict[str, bytes]] = {}
-LAUNCHED: set[str] = set()  # job dirs whose ranks were started (run.run adds them)
+from ddpexp.command import current
 
 
 def install_record_guard() -> None:
@@ -29,20 +27,24 @@ def install_record_guard() -> None:
         return
 
     def _guarded_run_job(**kwargs: Any) -> Any:
+        if not current().active:  # another Hydra app in a process that ran ddpexp.run
+            return original(**kwargs)
         config, subdir_key = kwargs["config"], kwargs.get("job_subdir_key")
         job_dir = job_dir_of(config, kwargs["job_dir_key"], subdir_key)
-        if subdir_key is not None:  # a single run: run.check_resume decides
+        current().add_job_dir(job_dir)
+        if subdir_key is not None:  # a single run: parent.check_resume decides
             done = completed_job(config, job_dir)
             if done is not None:
                 return done
         if config.hydra.output_subdir is None:
             return original(**kwargs)
         hydra_dir = os.path.join(job_dir, str(config.hydra.output_subdir))
-        earlier = EARLIER_HYDRA[job_dir] = read_files(hydra_dir)
+        # its .hydra/ files as they were before Hydra rewrites them for this attempt
+        earlier = current().earlier_hydra[job_dir] = read_files(hydra_dir)
         try:
             return original(**kwargs)
         finally:
-            if earlier and job_dir not in LAUNCHED:
+            if earlier and job_dir not in current().launched:
                 for name, data in earlier.items():
                     with open(os.path.join(hydra_dir, name), "wb") as f:
                         f.write(data)
@@ -60,6 +62,8 @@ def _guard_multirun_yaml() -> None:
 
     def _instantiate_sweeper(self: Any, **kwargs: Any) -> Any:
         sweeper = original(self, **kwargs)
+        if not current().active:
+            return sweeper
         sweep, path = sweeper.sweep, os.path.join(str(kwargs["config"].hydra.sweep.dir), "multirun.yaml")
 
         def guarded_sweep(arguments: list[str]) -> Any:
@@ -67,11 +71,11 @@ def _guard_multirun_yaml() -> None:
             if os.path.isfile(path):
                 with open(path, "rb") as f:
                     earlier = f.read()
-            launched = len(LAUNCHED)
+            launched = len(current().launched)
             try:
                 return sweep(arguments)
             finally:
-                if earlier is not None and len(LAUNCHED) == launched:
+                if earlier is not None and len(current().launched) == launched:
                     with open(path, "wb") as f:
                         f.write(earlier)
 

@@ -141,4 +141,4 @@ def _environment() -> dict[str, Any]:
             versions[pkg] = version(pkg)
         except PackageNotFoundError:
             versions[pkg] = None
-    return {"versions": versions, "git_sha": sha or None}
+    return {"versions": versions, "git_sha": sha or None, "ddpexp_path": os.path.dirname(os.path.abspath(__file__))}

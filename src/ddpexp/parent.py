@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ddpexp import check, data, sweep
+from ddpexp.command import current
 from ddpexp.config import Config, ConfigError
 from ddpexp.job import Job, read_json, write_json
 from ddpexp.launchers import Interrupted, RankFailure, tail
@@ -42,6 +43,7 @@ def run(dcfg: DictConfig) -> float | None:
     launch = get_method(cfg.launcher._target_)
     if cfg.plan:
         print(render_plan(cfg, job, sys.modules[launch.__module__]))
+        current().planned = True
         return None
     done = check_resume(cfg, job)
     if done is not None:
@@ -51,7 +53,7 @@ def run(dcfg: DictConfig) -> float | None:
 
     from ddpexp import worker  # torch and the training stack, only once the config is known to be good
 
-    sweep.LAUNCHED.add(job.dir)  # from here on, .hydra/ records this attempt
+    current().launched.add(job.dir)  # from here on, .hydra/ records this attempt
     try:
         waiter = launch(worker.main, cfg, job)
     except RankFailure as e:
@@ -62,13 +64,9 @@ def run(dcfg: DictConfig) -> float | None:
     if waiter is None:
         return finish(job, start)
     if HydraConfig.get().mode == RunMode.MULTIRUN and not needs_each_value(HydraConfig.get()):
-        DEFERRED.append((job, waiter, start))  # submit every job of the sweep before waiting for any
+        current().deferred.append((job, waiter, start))  # submit every job of the sweep before waiting for any
         return None
     return wait(job, waiter, start)
-
-
-# (job, waiter, start) of jobs submitted during a multirun, waited for once all are submitted
-DEFERRED: list[tuple[Job, Any, float]] = []
 
 
 def wait(job: Job, waiter: Any, start: float) -> float | None:
@@ -81,9 +79,9 @@ def wait(job: Job, waiter: Any, start: float) -> float | None:
 
 def wait_deferred() -> list[str]:
     """After a multirun's submissions: wait for each job; returns the failed ones as "job_dir: error"."""
-    failed = []
-    while DEFERRED:
-        job, waiter, start = DEFERRED.pop(0)
+    failed, deferred = [], current().deferred
+    while deferred:
+        job, waiter, start = deferred.pop(0)
         try:
             wait(job, waiter, start)
         except RankFailure as e:
@@ -116,7 +114,7 @@ def interrupted_message(job: Job, summary: dict[str, Any]) -> str:
     """The line a stopped job ends with: where it stopped and the exact command that continues it."""
     where = f"at step {summary['steps']}" if "steps" in summary else "before its first step"
     ckpt = f"checkpoint {summary['checkpoint']}" if summary.get("checkpoint") else "no checkpoint written"
-    again = [a for a in sys.argv[1:] if not a.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
+    again = [a for a in current().argv if not a.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
     hc = HydraConfig.get()
     where_dir = f"hydra.sweep.dir={hc.sweep.dir}" if hc.mode == RunMode.MULTIRUN else f"hydra.run.dir={job.dir}"
     command = shlex.join(["python", "-m", "ddpexp", *again, where_dir])
@@ -173,7 +171,7 @@ def earlier_record(cfg: Config, job: Job) -> float | None:
     recorded = {(summary or {}).get("config_sha256"), *(summary or {}).get("config_sha256_per_rank", [])} - {None}
     # Killed before any summary: Hydra's record of the earlier attempt (.hydra/config.yaml) says which config ran.
     hydra_dir = os.path.join(job.dir, str(HydraConfig.get().output_subdir))
-    earlier = sweep.EARLIER_HYDRA.get(job.dir, {}).get("config.yaml")
+    earlier = current().earlier_hydra.get(job.dir, {}).get("config.yaml")
     same_hydra = earlier is not None and earlier == sweep.read_files(hydra_dir).get("config.yaml")
     if recorded != {config_sha256(job.config_yaml)} and not (not recorded and same_hydra):
         raise ConfigError(

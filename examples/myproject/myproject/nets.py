@@ -1,0 +1,20 @@
+"""The project's own model. ddpexp calls it with the keys of conf/model/tinynet.yaml plus whichever of
+num_classes, in_channels and image_size it accepts (from the data's Splits)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class TinyNet(nn.Module):
+    """Features -> LayerNorm'd hidden layer with a residual block -> class logits."""
+
+    def __init__(self, num_classes: int, in_channels: int, hidden: int = 32):
+        super().__init__()
+        self.inp = nn.Sequential(nn.Flatten(), nn.Linear(in_channels, hidden), nn.LayerNorm(hidden), nn.GELU())
+        self.block = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU())
+        self.out = nn.Linear(hidden, num_classes)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(h + self.block(h))
