@@ -17,7 +17,7 @@ from conftest import ROOT, check_run_record, check_wandb_matches_record, ddpexp_
 
 EXAMPLE = ROOT / "examples" / "myproject"
 DDPEXP = Path(sys.executable).parent / "ddpexp"  # the console script of this environment's install
-METRICS = {"train/loss", "val/loss", "val/acc"}  # the project's own metric joins these once `task=` exists
+METRICS = {"train/loss", "val/loss", "val/acc", "val/balanced_acc"}  # the last: the project's own task's metric
 
 
 @pytest.fixture
@@ -35,18 +35,19 @@ def test_project_groups_extend_ddpexps(project: Path, tmp_path: Path) -> None:
     proc = ddpexp("model=nope", cwd=project)
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "ddpexp: error: In 'config': Could not find 'model/nope'. "
-        "Available options in 'model': cnn, mlp, resnet101, resnet18, resnet50, tinynet"
+        "Available options in 'model': cnn, gpt, mlp, resnet101, resnet18, resnet50, tinynet"
     )
     proc = ddpexp("experiment=wine", "--cfg", "job", cwd=project)
     cfg = yaml.safe_load(proc.stdout)
     assert proc.returncode == 0 and cfg["model"] == {"_target_": "myproject.nets.TinyNet", "hidden": 32}
     assert cfg["data"]["_target_"] == "myproject.data.wine" and cfg["launcher"]["_target_"].startswith("ddpexp.")
+    assert cfg["task"]["_target_"] == "myproject.tasks.BalancedAccuracy" and cfg["objective"] == "val/balanced_acc"
     # From elsewhere with --config-dir: the project's package imports (the parent checks every _target_'s keys)
     proc = ddpexp("--config-dir", str(project / "conf"), "experiment=wine", "+model.width=3", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == (
         "ddpexp: error: model.width=3: myproject.nets.TinyNet takes no such argument "
-        "(it takes num_classes, in_channels, hidden)"
+        "(it takes num_classes, in_features, hidden)"
     )
 
 
@@ -64,8 +65,8 @@ def test_example_project_via_cli(project: Path) -> None:
     proc = ddpexp("experiment=wine", "debug.check_replicas=true", "hydra.run.dir=job", cwd=project, timeout=180)
     assert proc.returncode == 0, proc.stderr
     job = project / "job"
-    summary = check_run_record(job, "spawn", 2)
-    assert set(summary["final"]) == METRICS and summary["final"]["val/acc"] > 0.8
+    summary = check_run_record(job, "spawn", 2, METRICS)
+    assert summary["final"]["val/acc"] > 0.8 and summary["final"]["val/balanced_acc"] > 0.8
     assert summary["steps"] == 6 * 5  # 134 wines / 2 ranks / batch 16 = 5 steps per epoch, 6 epochs
     config = yaml.safe_load((job / ".hydra" / "config.yaml").read_text())
     assert config["model"]["_target_"] == "myproject.nets.TinyNet"
@@ -78,7 +79,8 @@ def test_example_project_via_cli(project: Path) -> None:
 
     report = ddpexp("report", "job", cwd=project, timeout=60)
     assert report.returncode == 0, report.stderr
-    assert f"best: job job, val/acc={summary['final']['val/acc']:.4f}" in report.stdout
+    assert "objective val/balanced_acc (maximize)" in report.stdout
+    assert f"best: job job, val/balanced_acc={summary['final']['val/balanced_acc']:.4f}" in report.stdout
     assert (job / "report.md").is_file() and "completed" in (job / "report.md").read_text()
 
 
@@ -95,7 +97,7 @@ def test_example_project_via_python(project: Path) -> None:
     r = json.loads(out.read_text())
 
     assert r["unknown_model"]["raised"] == "ConfigError" and r["unknown_model"]["message"].endswith(
-        "Available options in 'model': cnn, mlp, resnet101, resnet18, resnet50, tinynet"
+        "Available options in 'model': cnn, gpt, mlp, resnet101, resnet18, resnet50, tinynet"
     )
     assert r["bad_value"] == {"raised": "ConfigError", "message": "batch_size=0: must be >= 1 (per process)",
                               "summaries": []}  # fmt: skip

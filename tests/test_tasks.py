@@ -64,7 +64,8 @@ def test_a_task_that_cannot_work_is_one_config_error(args: list[str], message: s
 def test_good_tasks_pass_the_dry_build(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
     for args in (["experiment=diabetes_mlp"], ["experiment=stdlib_gpt"], ["task._target_=user_task.BrierTask",
-                 *USER_TASK, "objective=val/brier"], ["task.top_k=[1,5]", "objective=val/top5"]):  # fmt: skip
+                 *USER_TASK, "objective=val/brier"], ["task.top_k=[1,5]", "objective=val/top5"],
+                 ["experiment=diabetes_mlp", "objective=val/r2"], ["experiment=stdlib_gpt", "objective=val/ppl"]):  # fmt: skip
         components(make_config(*args))
 
 

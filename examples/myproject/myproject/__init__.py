@@ -1,1 +1,2 @@
-"""A user's project on ddpexp: its own model (nets.TinyNet) and data (data.wine), configured in ../conf."""
+"""A user's project on ddpexp: its own model (nets.TinyNet), data (data.wine) and task (tasks.BalancedAccuracy),
+configured in ../conf."""

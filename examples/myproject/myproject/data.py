@@ -1,6 +1,5 @@
 """The project's own data: scikit-learn's wine recognition set (178 wines, 13 chemical measurements, 3 cultivars),
-which ships with scikit-learn: nothing is downloaded. ddpexp's data contract is image-shaped today, so each wine's
-13 features are one 13-channel 1x1 "image"."""
+which ships with scikit-learn: nothing is downloaded. Splits carries the facts the model is built with."""
 
 from __future__ import annotations
 
@@ -17,6 +16,6 @@ def wine(val_fraction: float = 0.25, seed: int = 0) -> Splits:
     n_val = round(len(y) * val_fraction)
     val, train = perm[:n_val], perm[n_val:]
     mean, std = x[train].mean(0), x[train].std(0)  # standardized with the train split's statistics only
-    x = ((x - mean) / std)[:, :, None, None]
+    x = (x - mean) / std
     tds = torch.utils.data.TensorDataset
-    return Splits(tds(x[train], y[train]), tds(x[val], y[val]), num_classes=3, in_channels=13, image_size=1)
+    return Splits(tds(x[train], y[train]), tds(x[val], y[val]), num_classes=3, in_features=13)

@@ -1,5 +1,5 @@
-"""The project's own model. ddpexp calls it with the keys of conf/model/tinynet.yaml plus whichever of
-num_classes, in_channels and image_size it accepts (from the data's Splits)."""
+"""The project's own model. ddpexp calls it with the keys of conf/model/tinynet.yaml plus whichever of the data's
+facts (Splits: here num_classes and in_features) it accepts."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from torch import nn
 class TinyNet(nn.Module):
     """Features -> LayerNorm'd hidden layer with a residual block -> class logits."""
 
-    def __init__(self, num_classes: int, in_channels: int, hidden: int = 32):
+    def __init__(self, num_classes: int, in_features: int, hidden: int = 32):
         super().__init__()
-        self.inp = nn.Sequential(nn.Flatten(), nn.Linear(in_channels, hidden), nn.LayerNorm(hidden), nn.GELU())
+        self.inp = nn.Sequential(nn.Linear(in_features, hidden), nn.LayerNorm(hidden), nn.GELU())
         self.block = nn.Sequential(nn.Linear(hidden, hidden), nn.GELU())
         self.out = nn.Linear(hidden, num_classes)
 
