@@ -212,3 +212,21 @@ def test_uneven_per_rank_batches_end_together(tmp_path: Path) -> None:
     summary = read_summary(tmp_path / "job")
     assert proc.returncode == 0 and summary["status"] == "completed" and summary["steps"] == 10
     assert summary["replicas"]["identical"] and summary["val_samples"] == 30
+
+
+def test_resume_from_another_jobs_checkpoint_starts_a_new_record(tmp_path: Path, reference: Path) -> None:
+    """resume=PATH: the parent resolves PATH (a job dir: its newest checkpoint) and the ranks start from that state,
+    with a record and W&B run of their own; the other job's files stay untouched."""
+    before = {p: p.stat().st_mtime_ns for p in reference.rglob("*") if p.is_file()}
+    job = tmp_path / "longer"
+    proc = run_ddpexp(
+        "launcher=spawn", *COMMON, "epochs=3", f"resume={reference}", f"hydra.run.dir={job}", cwd=tmp_path
+    )
+    newest = reference / "checkpoints" / "step-00000024.pt"
+    assert f"resuming from {newest}" in proc.stdout
+    summary = read_summary(job)
+    assert summary["status"] == "completed" and summary["resumed_from"] == {"path": str(newest), "step": 24}
+    assert summary["steps"] == 36 and summary["epochs"] == 3
+    assert min(m["step"] for m in read_metrics(job)) > 24  # its own record: only what it trained
+    assert summary["wandb"]["id"] != read_summary(reference)["wandb"]["id"]
+    assert {p: p.stat().st_mtime_ns for p in reference.rglob("*") if p.is_file()} == before

@@ -18,6 +18,10 @@ class Job:
     launcher: str  # the `launcher=` choice
     config_yaml: str  # the resolved config, as the checkpoint and W&B store it
     overrides: list[str] = field(default_factory=list)
+    config_sha256: str = ""  # of config_yaml, computed once by the parent
+    # The parent's resume decision: the checkpoint `resume=PATH` names, when the job dir holds none of its own.
+    # The ranks take the job dir's own newest checkpoint when there is one (an elastic restart, a requeue), else this.
+    resume_from: str | None = None
     # Set by the launcher inside each rank, before it calls the worker: the worker names no launcher.
     restarts: int = 0  # how often this job was started again (an elastic restart, a scheduler's requeue)
     requeue_signal: str | None = None  # a signal that means "checkpoint, then requeue" (e.g. Slurm's USR2)

@@ -141,6 +141,7 @@ def check_resume(cfg: Config, job: Job) -> float | None:
     source = own or (checkpoint.resolve(cfg.resume) if cfg.resume != "auto" else None)
     if source is None:
         return None
+    job.resume_from = None if own else source  # what the ranks start from, unless the job dir has its own by then
     saved = checkpoint.load(source)["config"]
     drift = config_drift(yaml.safe_load(saved), yaml.safe_load(job.config_yaml))
     if drift and not cfg.resume_allow_config_change:
@@ -173,7 +174,7 @@ def earlier_record(cfg: Config, job: Job) -> float | None:
     hydra_dir = os.path.join(job.dir, str(HydraConfig.get().output_subdir))
     earlier = current().earlier_hydra.get(job.dir, {}).get("config.yaml")
     same_hydra = earlier is not None and earlier == sweep.read_files(hydra_dir).get("config.yaml")
-    if recorded != {config_sha256(job.config_yaml)} and not (not recorded and same_hydra):
+    if recorded != {job.config_sha256} and not (not recorded and same_hydra):
         raise ConfigError(
             f"{job.dir} holds the record of another run (summary.json, metrics.jsonl) and no checkpoint to resume; "
             "use another hydra.run.dir"
@@ -262,6 +263,7 @@ def make_job(config_yaml: str) -> Job:
         launcher=hc.runtime.choices["launcher"],
         config_yaml=config_yaml,
         overrides=list(hc.overrides.task),
+        config_sha256=config_sha256(config_yaml),
     )
 
 
@@ -301,7 +303,7 @@ def record_failure(job: Job, error: BaseException, wall_time_s: float) -> BaseEx
     summary: dict[str, Any] = read_json(job.summary_path) or {"launcher": job.launcher}
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
     summary.update(status="failed", error=first, wall_time_s=round(wall_time_s, 3))
-    summary.setdefault("config_sha256", config_sha256(job.config_yaml))
+    summary.setdefault("config_sha256", job.config_sha256)
     if isinstance(error, RankFailure):
         summary["error_detail"] = error.detail
     write_json(job.summary_path, summary)

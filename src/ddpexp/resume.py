@@ -4,7 +4,6 @@ run id; and, at start, the choice of checkpoint."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -64,19 +63,18 @@ class Checkpointer:
             "loss_sum": [loss for _, loss in per_rank],
             "final": dict(final),
             "config": self.job.config_yaml,
-            "config_sha256": hashlib.sha256(self.job.config_yaml.encode()).hexdigest(),
+            "config_sha256": self.job.config_sha256,
             "wandb_id": getattr(self.tracker, "wandb_id", None),
         }
         return checkpoint.save(state, self.job.checkpoint_dir, position.step, self.cfg.keep_last_checkpoints)
 
 
 def load(cfg: Config, job: Job) -> Resumed | None:
-    """Rank 0 picks the checkpoint (this job's newest valid one, else `resume=PATH`) and tells the others."""
+    """Rank 0 finds the checkpoint and tells the others: the job dir's own newest valid one (this attempt is a
+    restart, a requeue, or the parent found it there), else the one the parent chose (`resume=PATH`), else none."""
     choice = None
-    if dist.get_rank() == 0 and cfg.resume != "never":
-        choice = checkpoint.find_latest(job.checkpoint_dir)
-        if choice is None and cfg.resume != "auto":
-            choice = checkpoint.resolve(cfg.resume)
+    if dist.get_rank() == 0:
+        choice = checkpoint.find_latest(job.checkpoint_dir) or job.resume_from
     choice = distributed.broadcast(choice)
     if choice is None:
         return None

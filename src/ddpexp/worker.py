@@ -44,6 +44,7 @@ def main(cfg: Config, job: Job) -> None:
     summary: dict[str, Any] = {"status": "failed", "launcher": job.launcher, "world_size": world_size}
     start = time.time()
     try:
+        # Each rank hashes the config it received: a sweep's ranks must all train the parameters of their job.
         hosts = distributed.all_gather((socket.gethostname(), hashlib.sha256(job.config_yaml.encode()).hexdigest()))
         resumed = resume.load(cfg, job)
         if rank == 0:  # resume=PATH starts a new record and W&B run; the job's own checkpoint continues its own
