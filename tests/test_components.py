@@ -11,9 +11,10 @@ from hydra import compose, initialize_config_dir
 
 from conftest import ROOT, run_ddpexp
 from ddpexp.check import components
-from ddpexp.config import Config, ConfigError, register_configs
+from ddpexp.config import Config, ConfigError
 from ddpexp.data import Splits
 from ddpexp.parent import to_config
+from ddpexp.schema import register_configs
 
 
 def make_config(*overrides: str) -> Config:

@@ -12,9 +12,10 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import ROOT, ddpexp_env, run_ddpexp
-from ddpexp.config import Config, ConfigError, register_configs
+from ddpexp.config import Config, ConfigError
 from ddpexp.launchers import launcher_schemas
 from ddpexp.parent import to_config
+from ddpexp.schema import register_configs
 
 CONF = ROOT / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
@@ -149,12 +150,19 @@ def test_resolved_once_in_the_parent() -> None:
 
 BAD_INPUT = [
     (["model=nope"], "Could not find 'model/nope'. Available options in 'model': cnn, gpt, mlp, resnet101"),
-    (["nosuchkey=1"], "Could not override 'nosuchkey'"),
+    (["nosuchkey=1"], "nosuchkey: no such key"),
+    # A typo is one line naming the key that exists; `+` adds arguments to model/data/task/optimizer/scheduler only.
+    (["optimzer.lr=0.1"], "optimzer.lr: no such key (did you mean optimizer.lr?)"),
+    (["+optimzer.lr=0.1"], "+optimzer.lr: no such key (did you mean optimizer.lr?); `+` adds arguments to model,"),
+    (["+wandb.projct=x"], "+wandb.projct: no such key (did you mean wandb.project?)"),
+    (["model.widht=3"], "Could not override 'model.widht'. To append to your config use +model.widht=3"),
+    (["--shell-completion"], "--shell-completion needs what to do: ddpexp -sc install=bash"),
+    (["hparams_search=digits_optuna", "plan=true"], "plan=true with a search that picks each trial from the results"),
     (["epochs=abc"], "epochs=abc. Value 'abc' of type 'str' could not be converted to Integer"),
     (["gpus=0"], "gpus=0: must be >= 1"),
     (["batch_size=0"], "batch_size=0: must be >= 1"),
     (["precision=fp8"], "precision='fp8': must be one of auto, fp32, bf16, fp16"),
-    (["launcher.bogus=1"], "Key 'bogus' not in 'SpawnConfig'"),
+    (["launcher.bogus=1"], "launcher.bogus: no such key"),
     (["launcher=torchrun", "launcher.nnodes=2"], "launcher.nnodes=2: set launcher.rdzv_endpoint=HOST:PORT"),
     (["device=cuda"], "device=cuda: no CUDA GPU is visible here"),
     (["device=cuda", "gpus=4"], "device=cuda: no CUDA GPU is visible here"),
@@ -189,7 +197,7 @@ def test_bad_input_is_one_clear_line(tmp_path: Path, args: list[str], message: s
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ddpexp: error: "), proc.stderr
     assert message in lines[0]
-    assert not (tmp_path / "run" / "logs").exists()  # no rank started
+    assert not (tmp_path / "run").exists()  # no rank started, and no job dir left behind for nothing
 
 
 @pytest.mark.parametrize("flag", ["--help", "--cfg=job"])

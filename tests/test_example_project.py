@@ -118,9 +118,14 @@ def test_example_project_via_python(project: Path) -> None:
     assert sweep["raised"] == "RunFailed" and sweep["message"] == (
         f"1 job(s) of the sweep failed:\n  {project / 'sweep' / '1'}: batch_size=0: must be >= 1 (per process)"
     )
-    done, stopped = sweep["summaries"]
+    done, refused = sweep["summaries"]
     assert done["job_dir"] == str(project / "sweep" / "0") and done["record"]["status"] == "completed"
-    assert done["record"]["world_size"] == 1 and stopped is None  # stopped before its ranks: no summary.json
+    assert done["record"]["world_size"] == 1  # refused before its ranks: a record that says so, for `report`
+    assert refused["record"] == {
+        "status": "failed",
+        "error": "batch_size=0: must be >= 1 (per process)",
+        "refused": True,
+    }
 
     assert r["plan"] == {"returned": None}
     assert r["after"] == {"hydra_initialized": False, "logging_handlers_back": True, "sys_path_back": True,

@@ -40,6 +40,18 @@ def test_a_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
     assert (sweep / "report.csv").read_text().count("\n") == 5 and (sweep / "report_curves.png").stat().st_size
 
 
+def test_a_job_refused_before_its_ranks_has_a_failed_record_that_report_shows(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_ddpexp("-m", "model._target_=ddpexp.models.cnn,no_such_module.Net", "gpus=1", "max_steps=2",
+                      "wandb.mode=disabled", f"hydra.sweep.dir={sweep}", cwd=tmp_path, check=False)  # fmt: skip
+    why = "model._target_='no_such_module.Net': no such callable (a dotted path like mypkg.module.fn)"
+    assert proc.returncode == 1 and f"{sweep / '1'}: {why}" in proc.stderr
+    assert read_summary(sweep / "0")["status"] == "completed"
+    assert read_summary(sweep / "1") == {"status": "failed", "error": why, "refused": True}
+    report = run_ddpexp("report", str(sweep), cwd=tmp_path)
+    assert "2 job(s): 1 completed, 1 failed" in report.stdout and f"job 1 (failed): {why}" in report.stdout
+
+
 def test_a_killed_sweep_run_again_finishes_only_the_missing_work(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     args = ["-m", *ONE_RANK, "seed=0,1,2,3", f"hydra.sweep.dir={sweep}"]

@@ -25,8 +25,9 @@ from conftest import (
     run_ddpexp,
 )
 from ddpexp.check import components
-from ddpexp.config import ConfigError, register_configs
+from ddpexp.config import ConfigError
 from ddpexp.parent import to_config
+from ddpexp.schema import register_configs
 
 USER_TASK = ["~task.top_k", "~task.label_smoothing"]  # task=classification's keys, which a user's task does not take
 TESTS_ON_PATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}

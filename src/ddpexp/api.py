@@ -10,8 +10,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from ddpexp import command, project
-from ddpexp.errors import CONFIG_EXIT, FAILED_EXIT, RunFailed, bad_override, failed_jobs_message, verdict
+from ddpexp import hydra_patches, project
+from ddpexp.command import Command
+from ddpexp.errors import CONFIG_EXIT, FAILED_EXIT, RunFailed, bad_override, verdict
 
 # The job name hydra.main gives `ddpexp` and `python -m ddpexp` (after the module): the job's log is __main__.log.
 TASK_NAME = "__main__"
@@ -34,8 +35,8 @@ def run(
     Returns the job's Summary (None with plan=true, or on a node that does not hold global rank 0). A multirun
     (`multirun=True`, or a config that sets hydra.mode=MULTIRUN such as hparams_search=...) returns a list with one
     entry per job, in the order the sweeper ran them. Raises ConfigError for bad input, RunFailed when the job, or
-    any job of a sweep, failed (its `summaries` hold the jobs' records; None for a job stopped before its ranks
-    started), Interrupted when a signal stopped the job after its checkpoint.
+    any job of a sweep, failed (its `summaries` hold the jobs' records: a job refused before its ranks started
+    has one saying so; None for a job that left none), Interrupted when a signal stopped the job after its checkpoint.
     """
     from ddpexp.config import ConfigError
 
@@ -44,21 +45,22 @@ def run(
     overrides = [str(o) for o in overrides]
     conf = project.config_dir(None if config_dir is None else os.fspath(config_dir))
     argv = ["-m"] * multirun + ["--config-dir", conf] * (conf is not None) + overrides
-    with command.begin(argv) as cmd, project.on_path(conf), _own_hydra(), _logging_put_back():
+    cmd = Command(argv=argv, keep_error=True)  # the call's state, for its whole lifetime
+    with hydra_patches.installed(cmd, cli=False), project.on_path(conf), _own_hydra(), _logging_put_back():
         try:
-            swept = _hydra_run(overrides, multirun, conf)
+            swept = _hydra_run(overrides, multirun, conf, cmd)
             if cmd.error is not None:
                 raise cmd.error
-            command.wait_deferred()
+            cmd.wait_deferred()
         except BaseException as e:
-            error = python_error(e)
+            error = python_error(e, cmd)
             if error is e:
                 raise
             raise error from None
         return _result(cmd, swept)
 
 
-def _hydra_run(overrides: list[str], multirun: bool, conf: str | None) -> bool:
+def _hydra_run(overrides: list[str], multirun: bool, conf: str | None, cmd: Command) -> bool:
     """What hydra-core 1.3's `hydra.main` does for a run or a multirun (hydra._internal.utils._run_hydra and
     _run_app), without its argument parsing and its exits. True for a multirun. Hydra has no public call for this:
     `compose` sets no HydraConfig, by design (hydra#828), and `hydra.main` reads sys.argv (hydra#575)."""
@@ -67,14 +69,13 @@ def _hydra_run(overrides: list[str], multirun: bool, conf: str | None) -> bool:
     from hydra.core.config_search_path import SearchPathQuery
     from hydra.types import RunMode
 
-    from ddpexp.config import ConfigError, register_configs
-    from ddpexp.sweep import install_record_guard
+    from ddpexp.config import ConfigError
+    from ddpexp.schema import register_configs
 
     bad = bad_override(overrides)
     if bad:
         raise ConfigError(bad)
     register_configs()
-    install_record_guard()
     search_path = create_automatic_config_search_path(None, None, project.PACKAGE_CONF)
     if conf is not None:  # as --config-dir does: after ddpexp's own configs, before the schemas
         if not os.path.isdir(conf):
@@ -86,18 +87,18 @@ def _hydra_run(overrides: list[str], multirun: bool, conf: str | None) -> bool:
         mode = RunMode.MULTIRUN if multirun else RunMode.RUN
         overrides = [*overrides, f"hydra.mode={mode.name}"]
     if mode == RunMode.RUN:
-        hydra.run(config_name="config", task_function=command.task, overrides=overrides)
+        hydra.run(config_name="config", task_function=cmd.task, overrides=overrides)
         return False
-    hydra.multirun(config_name="config", task_function=command.task, overrides=overrides)
+    hydra.multirun(config_name="config", task_function=cmd.task, overrides=overrides)
     return True
 
 
-def _result(cmd: command.Command, swept: bool) -> Summary | list[Summary | None] | None:
+def _result(cmd: Command, swept: bool) -> Summary | list[Summary | None] | None:
     if cmd.planned:
         return None
     summaries = _records(cmd.job_dirs)
     if cmd.failed:
-        raise RunFailed(failed_jobs_message(), summaries)
+        raise RunFailed(cmd.failed_jobs_message(), summaries)
     return summaries if swept else summaries[0] if summaries else None
 
 
@@ -108,17 +109,17 @@ def _records(job_dirs: list[str]) -> list[Summary | None]:
     return [None if r is None else Summary(d, r) for d, r in records]
 
 
-def python_error(error: BaseException) -> BaseException:
+def python_error(error: BaseException, cmd: Command) -> BaseException:
     """The exception ddpexp.run raises for `error`: the command line's verdict as a typed error (ConfigError for
     exit 2, RunFailed for exit 1); a signal (Interrupted, KeyboardInterrupt) and a bug's own error as they are."""
     from ddpexp.config import ConfigError
 
-    found = verdict(error)
+    found = verdict(error, cmd)
     if found is None or found[0] not in (CONFIG_EXIT, FAILED_EXIT):
         return error
     code, message = found[0], found[1].removeprefix("error: ")
     if code == FAILED_EXIT:
-        return RunFailed(message, _records(command.current().job_dirs))
+        return RunFailed(message, _records(cmd.job_dirs))
     return error if isinstance(error, ConfigError) and str(error) == message else ConfigError(message)
 
 

@@ -155,15 +155,3 @@ class Config:
                 isinstance(node, dict) and "_target_" in node,
                 f"{group}: needs a _target_ (pick one with {group}=NAME or set {group}._target_)",
             )
-
-
-def register_configs() -> None:
-    """Put the schemas in Hydra's ConfigStore: `base_config` for the root, `launcher/base_<name>` per launcher."""
-    from hydra.core.config_store import ConfigStore
-
-    from ddpexp.launchers import launcher_schemas
-
-    cs = ConfigStore.instance()
-    cs.store(name="base_config", node=Config)
-    for name, schema in launcher_schemas().items():
-        cs.store(group="launcher", name=f"base_{name}", node=schema)

@@ -5,12 +5,13 @@ verdicts reach Python callers of `ddpexp.run` as exceptions: ConfigError, RunFai
 from __future__ import annotations
 
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ddpexp.command import current
+from ddpexp.exceptions import CommandError, RunFailed  # noqa: F401 (RunFailed: ddpexp.run's, re-exported)
 
 CONFIG_EXIT, FAILED_EXIT, INTERRUPTED_EXIT = 2, 1, 130
 HERE = os.path.dirname(__file__)  # ddpexp's code: an error raised there is the job's, not the command line's
@@ -33,7 +34,7 @@ def one_line(error: BaseException) -> str:
             elif line.startswith(_SKIP):
                 continue
             elif listing and line.startswith("base_"):
-                continue  # the schemas behind each option (config.register_configs), not choices
+                continue  # the schemas behind each option (schema.register_configs), not choices
             elif listing:
                 parts[-1] += (" " if parts[-1].endswith(":") else ", ") + line
             else:
@@ -51,16 +52,7 @@ def is_config_error(error: BaseException) -> bool:
     return isinstance(error, (ConfigError, HydraException, OmegaConfBaseException))
 
 
-class RunFailed(RuntimeError):
-    """`ddpexp.run`: a job failed (a rank raised or died), or jobs of a sweep did; where the command exits 1.
-    `summaries`: the run record of each job (summary.json; None for a job that stopped before its ranks started)."""
-
-    def __init__(self, message: str, summaries: list[Any] | None = None):
-        super().__init__(message)
-        self.summaries = summaries or []
-
-
-def verdict(error: BaseException) -> tuple[int, str] | None:
+def verdict(error: BaseException, cmd: Any) -> tuple[int, str] | None:
     """(exit code, message) for an error the command reports in one line (or with the failing rank's traceback);
     None for anything else: a bug, whose traceback is shown. Interrupted and KeyboardInterrupt exit 130."""
     from ddpexp.launchers import Interrupted, RankFailure
@@ -69,6 +61,8 @@ def verdict(error: BaseException) -> tuple[int, str] | None:
         return FAILED_EXIT, f"error: {error}"
     if isinstance(error, Interrupted):
         return INTERRUPTED_EXIT, str(error)
+    if isinstance(error, CommandError):
+        return CONFIG_EXIT, f"error: {error}"
     if isinstance(error, KeyboardInterrupt):
         return INTERRUPTED_EXIT, (
             "interrupted again: ranks stopped at once; the same command with hydra.run.dir=<its job dir> "
@@ -76,21 +70,47 @@ def verdict(error: BaseException) -> tuple[int, str] | None:
         )
     if not isinstance(error, Exception):
         return None
-    if current().failed and "No trials are completed yet" in str(error):  # Optuna's end when every trial failed
-        return FAILED_EXIT, failed_jobs_message("every trial of the study failed: ")
-    message = job_dir_error(error) or (one_line(error) if is_config_error(error) else None)
+    if cmd.failed and "No trials are completed yet" in str(error):  # Optuna's end when every trial failed
+        return FAILED_EXIT, cmd.failed_jobs_message("every trial of the study failed: ")
+    if str(error).startswith("Expecting one subcommand from ['install', 'uninstall', 'query']"):  # -sc alone
+        return CONFIG_EXIT, "error: --shell-completion needs what to do: ddpexp -sc install=bash (or zsh, fish)"
+    message = job_dir_error(error) or (config_message(error) if is_config_error(error) else None)
     return None if message is None else (CONFIG_EXIT, f"error: {message}")
 
 
-def report(func: Callable[[], Any]) -> Any:
+def config_message(error: BaseException) -> str:
+    """The one line for bad input: Hydra's and OmegaConf's messages folded, an unknown key with the closest one."""
+    return unknown_key(error) or one_line(error)
+
+
+def report(func: Callable[[], Any], cmd: Any) -> Any:
+    """`func()`, its error reported as the command line does: one line and an exit code. HYDRA_FULL_ERROR=1 also
+    shows the traceback behind the line (a user's model that raises in its constructor, say)."""
     try:
         return func()
     except BaseException as e:
-        found = verdict(e)
+        found = verdict(e, cmd)
         if found is None:
             raise
+        if os.environ.get("HYDRA_FULL_ERROR") == "1" and found[0] == CONFIG_EXIT:
+            traceback.print_exception(e.__cause__ or e, file=sys.stderr)
         print(f"ddpexp: {found[1]}", file=sys.stderr)
         sys.exit(found[0])
+
+
+def unknown_key(error: BaseException) -> str | None:
+    """Hydra's "Could not override 'optimzer.lr'. To append to your config use +optimzer.lr=..." suggests the `+`
+    that would add the typo as a new key: name the key that exists instead."""
+    from ddpexp.schema import FREE, closest_key
+
+    text = f"{error} {error.__cause__ or ''}"
+    found = re.search(r"Could not override '([^']+)'\.", text)
+    if found is None or "Key '" not in text:  # the key is not in the schema (not a bad value for it)
+        return None
+    key = found.group(1)
+    if key.split(".")[0] in FREE:  # a new argument for a model/data/... _target_: Hydra's `+` is the right advice
+        return None
+    return f"{key}: no such key{closest_key(key)}"
 
 
 def job_dir_error(error: BaseException) -> str | None:
@@ -133,60 +153,6 @@ def why_not_dir(path: str, error: OSError) -> str:
     return why
 
 
-def failed_jobs_message(headline: str = "") -> str:
-    failed = current().failed
-    return f"{headline}{len(failed)} job(s) of the sweep failed:\n  " + "\n  ".join(failed)
-
-
-def install_error_reporting() -> None:
-    """Route Hydra's top-level error handler through `report` (hydra-core 1.3's hydra._internal.utils)."""
-    import hydra._internal.utils as hydra_utils
-
-    original = hydra_utils.run_and_report
-    if getattr(original, "__name__", "") == "_report_then_hydra":
-        return
-
-    def _report_then_hydra(func: Callable[[], Any]) -> Any:
-        return original(lambda: report(func))
-
-    hydra_utils.run_and_report = _report_then_hydra
-    install_cli_errors()
-
-
-def install_cli_errors() -> None:
-    """Bad command lines as one line, exit 2: hydra.main's argparse errors (its usage and `__main__.py: error:`),
-    and what its `_run_hydra` raises outside run_and_report (--help/--info composing a bad override, `=3`)."""
-    import importlib
-
-    hydra_main = importlib.import_module("hydra.main")  # the module; `hydra.main` is its function
-    make_parser, run_hydra = hydra_main.get_args_parser, hydra_main._run_hydra
-    if getattr(run_hydra, "__name__", "") == "_run_hydra_one_line":
-        return
-
-    def _get_args_parser() -> Any:
-        parser = make_parser()
-        if os.path.basename(parser.prog) == "__main__.py":
-            parser.prog = "python -m ddpexp"  # --help's usage line
-        parser.error = lambda message: _cli_exit(f"{message} (see {parser.prog} --help)")  # type: ignore[method-assign]
-        return parser
-
-    def _run_hydra_one_line(**kwargs: Any) -> Any:
-        bad = bad_override(getattr(kwargs.get("args"), "overrides", None) or [])
-        if bad:
-            _cli_exit(bad)
-        try:
-            return run_hydra(**kwargs)
-        except Exception as e:  # Hydra's own (the job's own errors reach here only with HYDRA_FULL_ERROR=1)
-            ours = [f for f, _ in traceback.walk_tb(e.__traceback__) if f.f_code.co_filename.startswith(HERE)]
-            if any(f.f_code.co_filename != __file__ for f in ours) or not (
-                is_config_error(e) or isinstance(e, ValueError)
-            ):
-                raise
-            _cli_exit(one_line(e))
-
-    hydra_main.get_args_parser, hydra_main._run_hydra = _get_args_parser, _run_hydra_one_line
-
-
 def bad_override(overrides: list[str]) -> str | None:
     """What Hydra's override parser would report as a grammar error with no word of the cause (`=3`)."""
     for override in overrides:
@@ -195,6 +161,11 @@ def bad_override(overrides: list[str]) -> str | None:
     return None
 
 
-def _cli_exit(message: str) -> Any:
-    print(f"ddpexp: error: {message}", file=sys.stderr)
-    sys.exit(CONFIG_EXIT)
+def record_refusal(job_dir: str, line: str, cmd: Any) -> None:
+    """A sweep's job refused before its ranks started gets a record saying so (status failed, the one line), so
+    that `ddpexp report` shows why; a job dir holding an earlier record keeps it untouched."""
+    from ddpexp.job import write_json
+
+    path = os.path.join(job_dir, "summary.json")
+    if os.path.isdir(job_dir) and not os.path.exists(path) and job_dir not in cmd.launched:
+        write_json(path, {"status": "failed", "error": line, "refused": True})

@@ -8,6 +8,12 @@ class ConfigError(ValueError):
     """Bad input (a configuration value, a command line, a user's component): one line, exit code 2."""
 
 
+class CommandError(BaseException):
+    """Bad input that concerns the whole command, not one job of it: exit 2, and a sweep stops at once. A
+    BaseException, as Interrupted: Hydra's sweepers take an Exception from a job as that job's failure and go on
+    (Optuna's too, to its "No trials are completed yet"). `ddpexp.run` raises it as a ConfigError."""
+
+
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be trusted: unreadable, truncated, or holding pickled code."""
 
@@ -24,6 +30,15 @@ class RankFailure(RuntimeError):
         last = self.detail.splitlines()[-1] if self.detail else "no traceback"
         more = f"\n{self.detail}" if "\n" in self.detail else ""  # a traceback; a one-line reason is said once
         super().__init__(f"rank {rank} failed: {last}{more}")
+
+
+class RunFailed(RuntimeError):
+    """`ddpexp.run`: a job failed (a rank raised or died), or jobs of a sweep did; where the command exits 1.
+    `summaries`: the run record of each job (summary.json; None for a job that left none)."""
+
+    def __init__(self, message: str, summaries: list | None = None):
+        super().__init__(message)
+        self.summaries = summaries or []
 
 
 class Interrupted(BaseException):

@@ -19,6 +19,7 @@ class Job:
     config_yaml: str  # the resolved config, as the checkpoint and W&B store it
     overrides: list[str] = field(default_factory=list)
     config_sha256: str = ""  # of config_yaml, computed once by the parent
+    command: list[str] = field(default_factory=list)  # the command line after `ddpexp`: plans and resume hints
     # The parent's resume decision: the checkpoint `resume=PATH` names, when the job dir holds none of its own.
     # The ranks take the job dir's own newest checkpoint when there is one (an elastic restart, a requeue), else this.
     resume_from: str | None = None

@@ -19,18 +19,20 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ddpexp import check, data, sweep
-from ddpexp.command import current
+from ddpexp.command import Command
 from ddpexp.config import Config, ConfigError
 from ddpexp.job import Job, read_json, write_json
 from ddpexp.launchers import Interrupted, RankFailure, tail
 from ddpexp.objective import needs_each_value
 from ddpexp.plan import render as render_plan
+from ddpexp.schema import FREE, closest_key, unknown_keys
 
 log = logging.getLogger("ddpexp")
 
 
-def run(dcfg: DictConfig) -> float | None:
-    """Hydra's task function: one experiment, a full DDP run. Returns the final val/acc."""
+def run(dcfg: DictConfig, cmd: Command) -> float | None:
+    """One experiment, a full DDP run, for the command `cmd` (Command.task is Hydra's task function). Returns the
+    final `objective`."""
     start = time.time()
     cfg = to_config(dcfg)
     config = OmegaConf.to_container(dcfg, resolve=True)
@@ -39,13 +41,13 @@ def run(dcfg: DictConfig) -> float | None:
         config.update(gpus=cfg.gpus, device=cfg.device)  # type: ignore[union-attr]
     if "root" in cfg.data:
         cfg.data["root"] = config["data"]["root"] = os.path.abspath(cfg.data["root"])  # type: ignore[index]
-    job = make_job(yaml.safe_dump(config, sort_keys=False))
+    job = make_job(yaml.safe_dump(config, sort_keys=False), cmd.argv)
     launch = get_method(cfg.launcher._target_)
     if cfg.plan:
         print(render_plan(cfg, job, sys.modules[launch.__module__]))
-        current().planned = True
+        cmd.planned = True
         return None
-    done = check_resume(cfg, job)
+    done = check_resume(cfg, job, cmd)
     if done is not None:
         return done
     data.prepare(cfg.data)
@@ -53,7 +55,7 @@ def run(dcfg: DictConfig) -> float | None:
 
     from ddpexp import worker  # torch and the training stack, only once the config is known to be good
 
-    current().launched.add(job.dir)  # from here on, .hydra/ records this attempt
+    cmd.launched.add(job.dir)  # from here on, .hydra/ records this attempt
     try:
         waiter = launch(worker.main, cfg, job)
     except RankFailure as e:
@@ -64,7 +66,7 @@ def run(dcfg: DictConfig) -> float | None:
     if waiter is None:
         return finish(job, start)
     if HydraConfig.get().mode == RunMode.MULTIRUN and not needs_each_value(HydraConfig.get()):
-        current().deferred.append((job, waiter, start))  # submit every job of the sweep before waiting for any
+        cmd.deferred.append((job, waiter, start))  # submit every job of the sweep before waiting for any
         return None
     return wait(job, waiter, start)
 
@@ -77,9 +79,9 @@ def wait(job: Job, waiter: Any, start: float) -> float | None:
     return finish(job, start)
 
 
-def wait_deferred() -> list[str]:
+def wait_deferred(cmd: Command) -> list[str]:
     """After a multirun's submissions: wait for each job; returns the failed ones as "job_dir: error"."""
-    failed, deferred = [], current().deferred
+    failed, deferred = [], cmd.deferred
     while deferred:
         job, waiter, start = deferred.pop(0)
         try:
@@ -114,21 +116,21 @@ def interrupted_message(job: Job, summary: dict[str, Any]) -> str:
     """The line a stopped job ends with: where it stopped and the exact command that continues it."""
     where = f"at step {summary['steps']}" if "steps" in summary else "before its first step"
     ckpt = f"checkpoint {summary['checkpoint']}" if summary.get("checkpoint") else "no checkpoint written"
-    again = [a for a in current().argv if not a.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
+    again = [a for a in job.command if not a.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
     hc = HydraConfig.get()
     where_dir = f"hydra.sweep.dir={hc.sweep.dir}" if hc.mode == RunMode.MULTIRUN else f"hydra.run.dir={job.dir}"
     command = shlex.join(["python", "-m", "ddpexp", *again, where_dir])
     return f"interrupted by {summary.get('signal', 'a signal')} {where}, {ckpt}; resume with: {command}"
 
 
-def check_resume(cfg: Config, job: Job) -> float | None:
+def check_resume(cfg: Config, job: Job, cmd: Command) -> float | None:
     """Before anything starts: a bad `resume=PATH`, a finished job, or a checkpoint written under a different
     config (one that changes results) each end here, with one line."""
     from ddpexp import checkpoint
 
     own = checkpoint.find_latest(job.checkpoint_dir) if os.path.isdir(job.checkpoint_dir) else None
     if own is None:
-        done = earlier_record(cfg, job)
+        done = earlier_record(cfg, job, cmd)
         if done is not None:
             return done
     if cfg.resume == "never":
@@ -161,7 +163,7 @@ def check_resume(cfg: Config, job: Job) -> float | None:
     return None
 
 
-def earlier_record(cfg: Config, job: Job) -> float | None:
+def earlier_record(cfg: Config, job: Job, cmd: Command) -> float | None:
     """A job dir without checkpoints may still hold an earlier attempt's record (summary.json, metrics.jsonl).
     Of this very config: completed, there is nothing to do; else it starts over and the record is redone. Of
     another config (or of none it names): refused, so that no one's results get overwritten or mixed."""
@@ -172,7 +174,7 @@ def earlier_record(cfg: Config, job: Job) -> float | None:
     recorded = {(summary or {}).get("config_sha256"), *(summary or {}).get("config_sha256_per_rank", [])} - {None}
     # Killed before any summary: Hydra's record of the earlier attempt (.hydra/config.yaml) says which config ran.
     hydra_dir = os.path.join(job.dir, str(HydraConfig.get().output_subdir))
-    earlier = current().earlier_hydra.get(job.dir, {}).get("config.yaml")
+    earlier = cmd.earlier_hydra.get(job.dir, {}).get("config.yaml")
     same_hydra = earlier is not None and earlier == sweep.read_files(hydra_dir).get("config.yaml")
     if recorded != {job.config_sha256} and not (not recorded and same_hydra):
         raise ConfigError(
@@ -236,6 +238,12 @@ def to_config(dcfg: DictConfig) -> Config:
             raise e.__cause__ from None
         raise
     assert isinstance(cfg, Config)
+    unknown = unknown_keys(OmegaConf.to_container(dcfg, resolve=False), type(cfg.launcher))  # type: ignore[arg-type]
+    if unknown:  # added with `+`: Hydra takes any key there, and nothing would ever read it
+        key = unknown[0]
+        raise ConfigError(
+            f"+{key}: no such key{closest_key(key, type(cfg.launcher))}; `+` adds arguments to {', '.join(FREE)} only"
+        )
     return cfg
 
 
@@ -252,7 +260,7 @@ def resolve_devices(cfg: Config) -> None:
         raise ConfigError(f"gpus={cfg.gpus}: only {visible} CUDA GPU(s) visible here; use gpus<={visible}")
 
 
-def make_job(config_yaml: str) -> Job:
+def make_job(config_yaml: str, argv: list[str]) -> Job:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     job_dir = os.path.abspath(hc.runtime.output_dir)
@@ -264,6 +272,7 @@ def make_job(config_yaml: str) -> Job:
         config_yaml=config_yaml,
         overrides=list(hc.overrides.task),
         config_sha256=config_sha256(config_yaml),
+        command=list(argv),
     )
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ddpexp.command import current
-
 
 def render(cfg: Any, job: Any, launcher: Any) -> str:
     """launcher.plan(cfg, job) gives {"command", "ranks": [env per rank], "script" (optional)}."""
@@ -27,8 +25,8 @@ def render(cfg: Any, job: Any, launcher: Any) -> str:
     return "\n".join(lines)
 
 
-def this_command() -> str:
-    return " ".join([sys.executable, "-m", "ddpexp", *current().argv])
+def this_command(job: Any) -> str:
+    return " ".join([sys.executable, "-m", "ddpexp", *job.command])
 
 
 def local_ranks(cfg: Any, node_rank: Any, world_size: Any, master: tuple[str, str]) -> list[dict[str, str]]:

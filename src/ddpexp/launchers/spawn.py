@@ -105,4 +105,4 @@ def plan(cfg: Any, job: Any) -> dict[str, Any]:
     port = str(cfg.launcher.master_port or "<free port bound at launch>")
     how = "in this process" if cfg.gpus == 1 and cfg.launcher.inline_single else "torch.multiprocessing spawn"
     ranks = local_ranks(cfg, 0, cfg.gpus, (cfg.launcher.master_addr, port))
-    return {"command": f"{this_command()}  -> {how} -> ddpexp.worker.main", "ranks": ranks}
+    return {"command": f"{this_command(job)}  -> {how} -> ddpexp.worker.main", "ranks": ranks}

@@ -165,4 +165,4 @@ def plan(cfg: Any, job: Any) -> dict[str, Any]:
     how = (
         f"elastic agent (rdzv {lc.rdzv_backend} at {lc.rdzv_endpoint}, id {lc.rdzv_id}, max_restarts {lc.max_restarts})"
     )
-    return {"command": f"{this_command()}  -> {how} -> ddpexp.worker.main", "ranks": ranks}
+    return {"command": f"{this_command(job)}  -> {how} -> ddpexp.worker.main", "ranks": ranks}

@@ -1,0 +1,218 @@
+"""Every change ddpexp makes to hydra-core 1.3 (pinned <1.4), in one place, installed for one command's lifetime
+and taken out after it (`installed(cmd)`), so a process that runs other Hydra apps, or ddpexp.run twice, meets
+Hydra as it is. Hydra has no hook for any of these; each says what it works around."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+from ddpexp.command import Command
+from ddpexp.exceptions import CommandError
+
+HERE = os.path.dirname(__file__)  # ddpexp's code: an error raised there is the job's, not the command line's
+
+
+@contextmanager
+def installed(cmd: Command, cli: bool) -> Iterator[None]:
+    """The patches for `cmd`: the job-dir record guard and a clean --help always; for a command line (`cli`) also
+    one-line errors from Hydra's own reporting and argument parsing."""
+    import hydra._internal.hydra as hydra_run
+    import hydra._internal.utils as hydra_utils
+    import hydra.core.utils as core_utils
+    from hydra._internal.hydra import Hydra
+    from hydra.core.plugins import Plugins
+
+    with ExitStack() as stack:
+        original = core_utils.run_job
+        guard = _record_guard(cmd, original)
+        # run_job as each caller holds it: where it is defined, where a single run calls it, and in the launcher
+        # plugins (the BasicLauncher, behind every sweeper, Optuna's too), which copy it when Hydra first scans
+        # them, once a process: so after the command, the copies they hold are put back too.
+        stack.enter_context(_patched(core_utils, "run_job", guard))
+        stack.enter_context(_patched(hydra_run, "run_job", guard))
+        stack.enter_context(_launcher_plugins_run(guard, original))
+        stack.enter_context(_patched(Plugins, "instantiate_sweeper", _sweeper_guard(cmd, Plugins.instantiate_sweeper)))
+        stack.enter_context(_patched(Hydra, "format_config_groups", _without_schemas(Hydra.format_config_groups)))
+        if cli:
+            from ddpexp.errors import report
+
+            run_and_report = hydra_utils.run_and_report
+            # Hydra prints a multi-line message and stack frames for every error; ddpexp's bad input is one line.
+            reported = lambda func: run_and_report(lambda: report(func, cmd))  # noqa: E731
+            stack.enter_context(_patched(hydra_utils, "run_and_report", reported))
+            hydra_main = importlib.import_module("hydra.main")  # the module; `hydra.main` is its function
+            parser, run_hydra = _one_line_parser(hydra_main.get_args_parser), _one_line_run(hydra_main._run_hydra)
+            stack.enter_context(_patched(hydra_main, "get_args_parser", parser))
+            stack.enter_context(_patched(hydra_main, "_run_hydra", run_hydra))
+        yield
+
+
+@contextmanager
+def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _record_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., Any]:
+    """Hydra writes a job's .hydra/ record before the task function runs (hydra#678), so before ddpexp's checks:
+    when the job then does not start (refused, already completed, plan=true), the record it found there is put
+    back as it was, and a job dir that this command created for nothing is removed. A sweep's job that already
+    completed in its dir with the same config is not run again."""
+    from ddpexp.sweep import completed_job, job_dir_of, read_files
+
+    def _guarded_run_job(**kwargs: Any) -> Any:
+        config, subdir_key = kwargs["config"], kwargs.get("job_subdir_key")
+        job_dir = job_dir_of(config, kwargs["job_dir_key"], subdir_key)
+        cmd.add_job_dir(job_dir)
+        if subdir_key is not None:  # a single run: parent.check_resume decides
+            done = completed_job(config, job_dir)
+            if done is not None:
+                return done
+        if config.hydra.output_subdir is None:
+            return original(**kwargs)
+        existed = os.path.exists(job_dir)
+        hydra_dir = os.path.join(job_dir, str(config.hydra.output_subdir))
+        earlier = cmd.earlier_hydra[job_dir] = read_files(hydra_dir)  # as they were before this attempt
+        try:
+            return original(**kwargs)
+        finally:
+            if job_dir not in cmd.launched:
+                for name, data in earlier.items():
+                    with open(os.path.join(hydra_dir, name), "wb") as f:
+                        f.write(data)
+                if not existed and subdir_key is None:  # a single run that never started: no empty job dir
+                    _remove_if_only_hydras(job_dir, str(config.hydra.output_subdir), str(config.hydra.job.name))
+
+    return _guarded_run_job
+
+
+@contextmanager
+def _launcher_plugins_run(guard: Callable[..., Any], original: Callable[..., Any]) -> Iterator[None]:
+    def plugins() -> list[Any]:
+        return [m for name, m in list(sys.modules.items()) if name.startswith(("hydra._internal.core_plugins",
+                "hydra_plugins")) and callable(getattr(m, "run_job", None))]  # fmt: skip
+
+    for module in plugins():  # scanned by an earlier command of this process
+        module.run_job = guard
+    try:
+        yield
+    finally:
+        for module in plugins():
+            if module.run_job is guard:
+                module.run_job = original
+
+
+def _remove_if_only_hydras(job_dir: str, output_subdir: str, job_name: str) -> None:
+    """Remove a job dir holding nothing but what Hydra wrote there (.hydra/ and the job's log file)."""
+    hydras = {output_subdir, f"{job_name}.log"}
+    try:
+        if set(os.listdir(job_dir)) <= hydras:
+            shutil.rmtree(job_dir)
+    except OSError:  # gone already, or not ours to remove
+        pass
+
+
+def _sweeper_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., Any]:
+    """The basic sweeper rewrites the sweep dir's multirun.yaml first thing: put it back if no job then ran. Its
+    class is re-created when Hydra scans its plugins, so the sweeper is wrapped as Hydra makes it. A plan of a
+    search whose trials depend on earlier results is refused here, before the search begins."""
+    from ddpexp.objective import needs_each_value
+
+    def _instantiate_sweeper(self: Any, **kwargs: Any) -> Any:
+        config = kwargs["config"]
+        if config.get("plan") and needs_each_value(config.hydra):  # before the study starts and prints
+            raise CommandError(
+                "plan=true with a search that picks each trial from the results of the ones before (hparams_search):"
+                " a plan runs none, so it has no trials to show; plan one job with the parameters set instead"
+            )
+        sweeper = original(self, **kwargs)
+        sweep, path = sweeper.sweep, os.path.join(str(kwargs["config"].hydra.sweep.dir), "multirun.yaml")
+
+        def guarded_sweep(arguments: list[str]) -> Any:
+            earlier = None
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    earlier = f.read()
+            launched = len(cmd.launched)
+            try:
+                return sweep(arguments)
+            finally:
+                if earlier is not None and len(cmd.launched) == launched:
+                    with open(path, "wb") as f:
+                        f.write(earlier)
+
+        sweeper.sweep = guarded_sweep
+        return sweeper
+
+    return _instantiate_sweeper
+
+
+def _without_schemas(original: Callable[..., str]) -> Callable[..., str]:
+    """--help lists every option of a group, the `base_<name>` schemas that each option's YAML extends too (the
+    schema-in-the-same-group pattern); they are not choices."""
+
+    def format_config_groups(self: Any, predicate: Callable[[str], bool], compact: bool = True) -> str:
+        lines = original(self, predicate, compact).splitlines()
+        if compact:
+            out = []
+            for line in lines:
+                group, sep, options = line.partition(": ")
+                kept = [o for o in options.split(", ") if not o.startswith("base_")] if sep else []
+                out.append(f"{group}: {', '.join(kept)}" if sep else line)
+            return "\n".join(out) + "\n"
+        return "\n".join(line for line in lines if not line.strip().startswith("base_")) + "\n"
+
+    return format_config_groups
+
+
+def _one_line_parser(make_parser: Callable[[], Any]) -> Callable[[], Any]:
+    """hydra.main's argparse errors print its usage and `__main__.py: error:`: one ddpexp line instead."""
+
+    def _get_args_parser() -> Any:
+        parser = make_parser()
+        if os.path.basename(parser.prog) == "__main__.py":
+            parser.prog = "python -m ddpexp"  # --help's usage line
+        parser.error = lambda message: cli_exit(f"{message} (see {parser.prog} --help)")  # type: ignore[method-assign]
+        return parser
+
+    return _get_args_parser
+
+
+def _one_line_run(run_hydra: Callable[..., Any]) -> Callable[..., Any]:
+    """What hydra.main's `_run_hydra` raises outside run_and_report (--help/--info composing a bad override, `=3`)
+    as one line, exit 2."""
+    from ddpexp.errors import bad_override, config_message, is_config_error
+
+    def _run_hydra_one_line(**kwargs: Any) -> Any:
+        bad = bad_override(getattr(kwargs.get("args"), "overrides", None) or [])
+        if bad:
+            cli_exit(bad)
+        try:
+            return run_hydra(**kwargs)
+        except Exception as e:  # Hydra's own (the job's own errors reach here only with HYDRA_FULL_ERROR=1)
+            ours = [f for f, _ in traceback.walk_tb(e.__traceback__) if f.f_code.co_filename.startswith(HERE)]
+            if any(f.f_code.co_filename != __file__ for f in ours) or not (
+                is_config_error(e) or isinstance(e, ValueError)
+            ):
+                raise
+            cli_exit(config_message(e))
+
+    return _run_hydra_one_line
+
+
+def cli_exit(message: str) -> Any:
+    from ddpexp.errors import CONFIG_EXIT
+
+    print(f"ddpexp: error: {message}", file=sys.stderr)
+    sys.exit(CONFIG_EXIT)
