@@ -210,6 +210,21 @@ def test_help_and_cfg_do_not_import_torch(tmp_path: Path, flag: str) -> None:
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
     assert "hydra" in imported and "torch" not in imported
     assert ("batch_size: 64" in proc.stdout) if flag == "--cfg=job" else ("== Config ==" in proc.stdout)
+    if flag == "--help":  # ddpexp's own words, and the options one can pick (not the base_ schemas behind them)
+        assert proc.stdout.startswith("ddpexp: PyTorch DistributedDataParallel experiments, configured with Hydra.")
+        assert "launcher: slurm, spawn, torchrun\n" in proc.stdout and "base_" not in proc.stdout
+        assert "is powered by Hydra" not in proc.stdout and "ddpexp -sc install=bash" in proc.stdout
+
+
+def test_a_model_that_raises_is_one_line_and_hydra_full_error_shows_why(tmp_path: Path) -> None:
+    args = ["model=gpt", "hydra.run.dir=run"]  # gpt on images: its constructor lacks vocab_size, block_size
+    line = "ddpexp: error: model=ddpexp.models.gpt(n_layer=2, n_head=4, n_embd=128, dropout=0.0, bias=True): TypeError"
+    proc = run_ddpexp(*args, cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith(line) and proc.stderr.count("\n") == 1, proc.stderr
+    full = run_ddpexp(*args, cwd=tmp_path, check=False, env={"HYDRA_FULL_ERROR": "1"})
+    assert full.returncode == 2 and full.stderr.startswith("Traceback (most recent call last):"), full.stderr
+    assert "TypeError: gpt() missing 2 required positional arguments" in full.stderr
+    assert full.stderr.strip().splitlines()[-1].startswith(line)
 
 
 def test_more_gpus_than_visible_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
