@@ -108,7 +108,7 @@ def unknown_key(error: BaseException) -> str | None:
     if found is None or "Key '" not in text:  # the key is not in the schema (not a bad value for it)
         return None
     key = found.group(1)
-    if key.split(".")[0] in FREE:  # a new argument for a model/data/... _target_: Hydra's `+` is the right advice
+    if key.split(".")[0] in (*FREE, "hydra"):  # a new argument for a _target_, or Hydra's own: its `+` advice holds
         return None
     return f"{key}: no such key{closest_key(key)}"
 

@@ -9,7 +9,7 @@ import os
 import shlex
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from hydra.core.hydra_config import HydraConfig
@@ -19,13 +19,15 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ddpexp import check, data, sweep
-from ddpexp.command import Command
 from ddpexp.config import Config, ConfigError
 from ddpexp.job import Job, read_json, write_json
 from ddpexp.launchers import Interrupted, RankFailure, tail
 from ddpexp.objective import needs_each_value
 from ddpexp.plan import render as render_plan
 from ddpexp.schema import FREE, closest_key, unknown_keys
+
+if TYPE_CHECKING:  # the command calls run(); the type only, no import circle
+    from ddpexp.command import Command
 
 log = logging.getLogger("ddpexp")
 
