@@ -42,8 +42,13 @@ def test_every_option_composes(group: str, name: str) -> None:
         assert cfg.launcher._target_ == f"ddpexp.launchers.{name}.launch"
 
 
-def test_launcher_modules_have_yaml() -> None:
+def test_launcher_modules_have_yaml_and_the_parent_s_functions() -> None:
+    import importlib
+
     assert set(launcher_schemas()) == {name for g, name in OPTIONS if g == "launcher"}
+    for name in launcher_schemas():
+        module = importlib.import_module(f"ddpexp.launchers.{name}")
+        assert all(callable(getattr(module, f, None)) for f in ("launch", "plan", "resolve", "world_size")), name
 
 
 MODEL_SHAPES = [
@@ -173,13 +178,18 @@ BAD_INPUT = [
 def test_config_drift_names_the_result_changing_keys_only() -> None:
     from ddpexp.run import config_drift
 
+    torchrun = "ddpexp.launchers.torchrun.launch"
     old = {"model": {"_target_": "m", "hidden": [256]}, "data": {"root": "/a", "seed": 0}, "batch_size": 64,
-           "gpus": 2, "launcher": {"nnodes": "1"}, "epochs": 5, "wandb": {"mode": "offline"}}  # fmt: skip
+           "gpus": 2, "launcher": {"_target_": torchrun, "nnodes": "1"}, "epochs": 5, "wandb": {"mode": "offline"}}  # fmt: skip
     new = {**old, "data": {"root": "/b", "seed": 0}, "epochs": 9, "wandb": {"mode": "disabled"}}
     assert config_drift(old, new) == []  # dataset moved, trained longer, other tracking: the same run
     new = {**new, "model": {"_target_": "m", "hidden": [128]}, "gpus": 4, "seed": 1}
     assert config_drift(old, new) == ["model.hidden", "seed", "world_size"]
-    assert config_drift(old, {**old, "launcher": {"nnodes": "1:2"}}) == []  # elastic: the ranks check at start
+    elastic = {**old, "launcher": {"_target_": torchrun, "nnodes": "1:2"}}
+    assert config_drift(old, elastic) == []  # elastic: the ranks check at start
+    slurm = {**old, "launcher": {"_target_": "ddpexp.launchers.slurm.launch", "nodes": 1}}
+    assert config_drift(slurm, {**slurm, "launcher": {**slurm["launcher"], "nodes": 2}}) == ["world_size"]
+    assert config_drift(slurm, {**slurm, "launcher": {"_target_": "ddpexp.launchers.spawn.launch"}}) == []
 
 
 @pytest.mark.parametrize(("args", "message"), BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
@@ -207,14 +217,14 @@ def test_help_and_cfg_do_not_import_torch(tmp_path: Path, flag: str) -> None:
 def test_more_gpus_than_visible_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from ddpexp.run import resolve_devices
+    from ddpexp.launchers import resolve_local
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # this machine has no GPU to count
     cfg = make_config("device=cuda", "gpus=4")
     with pytest.raises(ConfigError, match=r"^gpus=4: only 2 CUDA GPU\(s\) visible here; use gpus<=2$"):
-        resolve_devices(cfg)
+        resolve_local(cfg)
     cfg = make_config("device=auto")
-    resolve_devices(cfg)
+    resolve_local(cfg)
     assert (cfg.device, cfg.gpus) == ("cuda", 2)  # default: every visible GPU
 
 
@@ -226,6 +236,23 @@ def test_plan_shows_every_rank_and_starts_nothing(tmp_path: Path, launcher: str)
         assert f"rank {rank}: device=cpu RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=3" in proc.stdout
     assert f"job dir:   {tmp_path / 'job'}" in proc.stdout
     assert not (tmp_path / "job" / "logs").exists() and not (tmp_path / "job" / "summary.json").exists()
+
+
+def test_more_cpu_ranks_than_cores_is_one_warning_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    proc = run_ddpexp("launcher=torchrun", f"gpus={cores + 1}", "plan=true", "hydra.run.dir=job", cwd=tmp_path)
+    assert proc.stderr == (
+        f"ddpexp: warning: gpus={cores + 1} CPU ranks on {cores} core(s) here: the ranks oversubscribe the cores; "
+        f"gpus<={cores} gives each rank a core of its own\n"
+    )
+    assert f"{cores + 1} rank(s); nothing was started" in proc.stdout
+
+    from ddpexp.launchers import resolve_local
+
+    resolve_local(make_config("launcher=spawn", "device=cpu", f"gpus={cores}"))
+    assert capsys.readouterr().err == ""
 
 
 def test_slurm_without_sbatch_or_submitit_is_refused(tmp_path: Path) -> None:
