@@ -16,7 +16,7 @@ import pytest
 
 from conftest import run_ddpexp
 from ddpexp.config import ConfigError
-from ddpexp.launchers.slurm import SlurmConfig, sbatch_refusal
+from ddpexp.launchers.slurm import SlurmConfig, slurm_reason
 from ddpexp.launchers.spawn import SpawnConfig
 from ddpexp.launchers.torchrun import TorchrunConfig
 
@@ -89,13 +89,15 @@ def test_sbatch_refusal_picks_the_cause_and_the_verdict() -> None:
     partition = "sbatch: error: invalid partition specified: nope\n" + (
         "sbatch: error: Batch job submission failed: Invalid partition name specified\n"
     )
-    assert sbatch_refusal(partition) == (
+    assert slurm_reason(partition) == (
         "sbatch: error: invalid partition specified: nope; error: Batch job submission failed: "
         "Invalid partition name specified"
     )
-    assert sbatch_refusal("sbatch: error: one\n") == "sbatch: error: one"
-    assert sbatch_refusal("\nsomething else\n") == "something else"
-    assert sbatch_refusal("") == "no message"
+    assert slurm_reason("sbatch: error: one\n") == "sbatch: error: one"
+    assert slurm_reason("sinfo: error: fetch_config: DNS SRV lookup failed\nsinfo: fatal: Could not establish a "
+                        "configuration source\n") == "sinfo: fatal: Could not establish a configuration source"  # fmt: skip
+    assert slurm_reason("\nsomething else\n") == "something else"
+    assert slurm_reason("") == "no message"
 
 
 def write_record(job: Path) -> None:
@@ -131,13 +133,11 @@ def assert_one_line(proc: subprocess.CompletedProcess[str], message: str) -> Non
 # The launchers' checks, in-process: (dataclass, keys, message)
 BAD_LAUNCHER_KEYS = [
     (SpawnConfig, {"master_port": 65536}, "must be a port 0..65535"),
-    (SpawnConfig, {"master_addr": ""}, "cannot resolve host ''"),
     (TorchrunConfig, {"rdzv_backend": "static"}, "needs a fixed node rank"),
     (TorchrunConfig, {"rdzv_endpoint": "localhost:"}, "the port must be a number 0..65535"),
     (TorchrunConfig, {"rdzv_endpoint": "host/x:29400"}, "the host must be a name, an IPv4 address"),
     (TorchrunConfig, {"rdzv_endpoint": ""}, "must be HOST:PORT"),
     (TorchrunConfig, {"monitor_interval_s": 0}, "launcher.monitor_interval_s=0: must be > 0"),
-    (TorchrunConfig, {"local_addr": NO_HOST}, f"launcher.local_addr='{NO_HOST}': cannot resolve host"),
     (TorchrunConfig, {"nnodes": "2"}, "set launcher.rdzv_endpoint=HOST:PORT"),
     (SlurmConfig, {"mem_gb": 0}, "launcher.mem_gb=0: must be > 0"),
     (SlurmConfig, {"mem_gb": 0.0001}, "must be > 0 (at least 1 MiB)"),
@@ -173,3 +173,20 @@ def test_launcher_checks(schema: type, keys: dict, message: str) -> None:
 )
 def test_launcher_checks_accept_good_keys(schema: type, keys: dict) -> None:
     schema(**keys)
+
+
+@pytest.mark.parametrize(
+    ("schema", "keys", "message"),
+    [
+        (SpawnConfig, {"master_addr": ""}, "launcher.master_addr='': cannot resolve host ''"),
+        (TorchrunConfig, {"rdzv_endpoint": f"{NO_HOST}:29400"}, f"launcher.rdzv_endpoint='{NO_HOST}:29400': cannot"),
+        (TorchrunConfig, {"local_addr": NO_HOST}, f"launcher.local_addr='{NO_HOST}': cannot resolve host"),
+    ],
+    ids=["spawn master_addr", "torchrun rdzv_endpoint", "torchrun local_addr"],
+)
+def test_hosts_are_looked_up_by_the_parent_not_when_a_config_is_built(schema: type, keys: dict, message: str) -> None:
+    """Building the dataclass (composing, `--cfg job`, a test) does no DNS look-up; the parent's `resolve` does."""
+    launcher = schema(**keys)
+    with pytest.raises(ConfigError) as e:
+        launcher.check_hosts()
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)

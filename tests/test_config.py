@@ -43,8 +43,13 @@ def test_every_option_composes(group: str, name: str) -> None:
         assert cfg.launcher._target_ == f"ddpexp.launchers.{name}.launch"
 
 
-def test_launcher_modules_have_yaml() -> None:
+def test_launcher_modules_have_yaml_and_the_parent_s_functions() -> None:
+    import importlib
+
     assert set(launcher_schemas()) == {name for g, name in OPTIONS if g == "launcher"}
+    for name in launcher_schemas():
+        module = importlib.import_module(f"ddpexp.launchers.{name}")
+        assert all(callable(getattr(module, f, None)) for f in ("launch", "plan", "resolve", "world_size")), name
 
 
 MODEL_SHAPES = [
@@ -157,6 +162,10 @@ BAD_INPUT = [
     (["+wandb.projct=x"], "+wandb.projct: no such key (did you mean wandb.project?)"),
     (["model.widht=3"], "Could not override 'model.widht'. To append to your config use +model.widht=3"),
     (["--shell-completion"], "--shell-completion needs what to do: ddpexp -sc install=bash"),
+    (
+        ["launcher._target_=ddpexp.launchers.nope.launch"],
+        "launcher._target_='ddpexp.launchers.nope.launch': cannot import it (ModuleNotFoundError: No module named 'ddpexp.launchers.nope'); pick a launcher with launcher=NAME (slurm, spawn, torchrun)",
+    ),
     (["hparams_search=digits_optuna", "plan=true"], "plan=true with a search that picks each trial from the results"),
     (["epochs=abc"], "epochs=abc. Value 'abc' of type 'str' could not be converted to Integer"),
     (["gpus=0"], "gpus=0: must be >= 1"),
@@ -181,13 +190,18 @@ BAD_INPUT = [
 def test_config_drift_names_the_result_changing_keys_only() -> None:
     from ddpexp.parent import config_drift
 
+    torchrun = "ddpexp.launchers.torchrun.launch"
     old = {"model": {"_target_": "m", "hidden": [256]}, "data": {"root": "/a", "seed": 0}, "batch_size": 64,
-           "gpus": 2, "launcher": {"nnodes": "1"}, "epochs": 5, "wandb": {"mode": "offline"}}  # fmt: skip
+           "gpus": 2, "launcher": {"_target_": torchrun, "nnodes": "1"}, "epochs": 5, "wandb": {"mode": "offline"}}  # fmt: skip
     new = {**old, "data": {"root": "/b", "seed": 0}, "epochs": 9, "wandb": {"mode": "disabled"}}
     assert config_drift(old, new) == []  # dataset moved, trained longer, other tracking: the same run
     new = {**new, "model": {"_target_": "m", "hidden": [128]}, "gpus": 4, "seed": 1}
     assert config_drift(old, new) == ["model.hidden", "seed", "world_size"]
-    assert config_drift(old, {**old, "launcher": {"nnodes": "1:2"}}) == []  # elastic: the ranks check at start
+    elastic = {**old, "launcher": {"_target_": torchrun, "nnodes": "1:2"}}
+    assert config_drift(old, elastic) == []  # elastic: the ranks check at start
+    slurm = {**old, "launcher": {"_target_": "ddpexp.launchers.slurm.launch", "nodes": 1}}
+    assert config_drift(slurm, {**slurm, "launcher": {**slurm["launcher"], "nodes": 2}}) == ["world_size"]
+    assert config_drift(slurm, {**slurm, "launcher": {"_target_": "ddpexp.launchers.spawn.launch"}}) == []
 
 
 @pytest.mark.parametrize(("args", "message"), BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
@@ -230,14 +244,14 @@ def test_a_model_that_raises_is_one_line_and_hydra_full_error_shows_why(tmp_path
 def test_more_gpus_than_visible_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from ddpexp.parent import resolve_devices
+    from ddpexp.launchers import resolve_local
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # this machine has no GPU to count
     cfg = make_config("device=cuda", "gpus=4")
     with pytest.raises(ConfigError, match=r"^gpus=4: only 2 CUDA GPU\(s\) visible here; use gpus<=2$"):
-        resolve_devices(cfg)
+        resolve_local(cfg)
     cfg = make_config("device=auto")
-    resolve_devices(cfg)
+    resolve_local(cfg)
     assert (cfg.device, cfg.gpus) == ("cuda", 2)  # default: every visible GPU
 
 
@@ -249,6 +263,23 @@ def test_plan_shows_every_rank_and_starts_nothing(tmp_path: Path, launcher: str)
         assert f"rank {rank}: device=cpu RANK={rank} LOCAL_RANK={rank} WORLD_SIZE=3" in proc.stdout
     assert f"job dir:   {tmp_path / 'job'}" in proc.stdout
     assert not (tmp_path / "job" / "logs").exists() and not (tmp_path / "job" / "summary.json").exists()
+
+
+def test_more_cpu_ranks_than_cores_is_one_warning_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    proc = run_ddpexp("launcher=torchrun", f"gpus={cores + 1}", "plan=true", "hydra.run.dir=job", cwd=tmp_path)
+    assert proc.stderr == (
+        f"ddpexp: warning: gpus={cores + 1} CPU ranks on {cores} core(s) here: the ranks oversubscribe the cores; "
+        f"gpus<={cores} gives each rank a core of its own\n"
+    )
+    assert f"{cores + 1} rank(s); nothing was started" in proc.stdout
+
+    from ddpexp.launchers import resolve_local
+
+    resolve_local(make_config("launcher=spawn", "device=cpu", f"gpus={cores}"))
+    assert capsys.readouterr().err == ""
 
 
 def test_slurm_without_sbatch_or_submitit_is_refused(tmp_path: Path) -> None:

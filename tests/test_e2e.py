@@ -5,10 +5,12 @@ Each test starts few processes and checks many things; every run has a hard time
 from __future__ import annotations
 
 import re
+import select
 import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,7 @@ from conftest import (
     read_metrics,
     read_summary,
     run_ddpexp,
+    start,
 )
 from wandb_offline import find_offline_runs, read_offline_run
 
@@ -132,6 +135,31 @@ def test_torchrun_two_nodes_on_loopback(tmp_path: Path) -> None:
     assert summary["world_size"] == 4 and summary["replicas"]["identical"] and summary["steps"] == 6
     logs = sorted(p.name for p in tmp_path.glob("node*/logs/rank*.log"))
     assert logs == ["rank0.log", "rank1.log", "rank2.log", "rank3.log"]
+
+
+def test_one_torchrun_node_of_two_says_it_waits_and_gives_up_after_the_rendezvous_timeout(tmp_path: Path) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    args = ["launcher=torchrun", "gpus=2", "launcher.nnodes=2", f"launcher.rdzv_endpoint={endpoint}",
+            "launcher.rdzv_timeout_s=5", "wandb.mode=disabled", "hydra.run.dir=job"]  # fmt: skip
+    proc = start(args, tmp_path)
+    try:
+        assert select.select([proc.stdout], [], [], 60)[0], "said nothing for 60 s"
+        said = proc.stdout.readline()  # type: ignore[union-attr]
+        began = time.time()
+        out, err = proc.communicate(timeout=90)
+        waited = time.time() - began
+    finally:
+        proc.kill()
+    assert said == (
+        f"ddpexp: waiting for 1 more node(s) at the rendezvous {endpoint} (launcher.nnodes=2), "
+        "for at most launcher.rdzv_timeout_s=5 s\n"
+    )
+    assert proc.returncode == 2 and 4 < waited < 45, (waited, out, err)
+    assert err == (
+        f"ddpexp: error: launcher.nnodes=2: fewer than 2 node(s) joined the rendezvous at {endpoint} within "
+        "launcher.rdzv_timeout_s=5 s; start the same command (same launcher.rdzv_endpoint and rdzv_id) on every node\n"
+    )
+    assert read_summary(tmp_path / "job")["status"] == "failed" and not (tmp_path / "job" / "logs").exists()
 
 
 def test_multirun_sweep_runs_full_ddp_jobs_in_one_wandb_group(tmp_path: Path) -> None:

@@ -25,6 +25,33 @@ def scontrol_job(job_id: str, env: dict[str, str]) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
+def test_device_auto_asks_slurm_and_runs_cpu_ranks_on_nodes_without_gpus(tmp_path: Path, slurm: dict[str, str]) -> None:
+    """The test cluster's nodes declare no GRES (tests/slurm/cluster.sh): sinfo says `(null)` for them."""
+    auto = ["launcher=slurm", "gpus=2", "launcher.poll_interval_s=0.5"]  # device=auto, the default
+    plan = run_ddpexp(*auto, "plan=true", "hydra.run.dir=plan", cwd=tmp_path, env=slurm)
+    assert "rank 1: device=cpu RANK=1" in plan.stdout and "--gpus-per-node" not in plan.stdout
+    refused = run_ddpexp(*auto, "device=cuda", "hydra.run.dir=cuda", cwd=tmp_path, env=slurm, check=False)
+    assert refused.returncode == 2 and refused.stderr == (
+        "ddpexp: error: device=cuda: the nodes of Slurm partition 'debug' have no GPUs (sinfo's GRES); "
+        "use device=cpu or another launcher.partition\n"
+    )
+    run_ddpexp(*auto, "max_steps=4", "wandb.mode=disabled", "hydra.run.dir=job", cwd=tmp_path, env=slurm, timeout=180)
+    summary = read_summary(tmp_path / "job")
+    assert (summary["status"], summary["device"], summary["world_size"]) == ("completed", "cpu", 2)
+
+
+@pytest.mark.parametrize(
+    ("gres", "gpus"),
+    [("(null)", 0), ("gpu:4", 4), ("gpu:a100:4(S:0-1)", 4), ("gpu:a100:2,gpu:v100:2,mps:200", 4),
+     ("gpu:2(S:0,1),mps:100", 2), ("mygpu:3", 0), ("gpu:a100_1g.5gb:14(S:0-1)", 14)],
+)  # fmt: skip
+def test_gpus_per_node_from_sinfo_gres(gres: str, gpus: int) -> None:
+    """sinfo's %G field as Slurm prints it (`Gres=` of slurm.conf, with sockets in parentheses)."""
+    from ddpexp.launchers.slurm import gres_gpus
+
+    assert gres_gpus(gres) == gpus
+
+
 def test_slurm_job_completes_and_matches_spawn_bit_for_bit(tmp_path: Path, slurm: dict[str, str]) -> None:
     proc = run_ddpexp(*SLURM, *TRAIN, "hydra.run.dir=slurm_job", cwd=tmp_path, env=slurm, timeout=180)
     job = tmp_path / "slurm_job"

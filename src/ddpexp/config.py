@@ -7,7 +7,7 @@ before any rank starts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -37,7 +37,6 @@ class LauncherConfig:
     """Fields every launcher has; each launcher's dataclass extends it (see launchers/)."""
 
     _target_: str = MISSING
-    local: ClassVar[bool] = True  # starts ranks on this machine (devices are checked here); slurm: False
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -9,7 +10,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -27,13 +28,29 @@ def die_with_parent() -> None:
 
 def detach_from_terminal() -> None:
     """A rank started by this command leaves the terminal's process group: Ctrl-C reaches only the command,
-    which stops the ranks once (spawn forwards SIGTERM, torchrun's agent SIGINT). Otherwise each rank would see
-    the terminal's signal and the forwarded one, i.e. two signals, which means "exit at once"."""
+    which hands it on to the ranks once (forward_signals). Otherwise each rank would see the terminal's signal and
+    the forwarded one, i.e. two signals, which means "exit at once"."""
     if multiprocessing.parent_process() is not None:
         try:
             os.setpgid(0, 0)
         except OSError:  # already a group leader, or not allowed: keep the terminal's group
             pass
+
+
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Processes started in here inherit SIGINT/SIGTERM blocked (not ignored): one that comes while a rank starts
+    up, still in the terminal's group and without its handler, waits in the rank until StopSignals takes it, once
+    (the terminal's and the forwarded one are the same pending signal). Ignored, it would be lost; unblocked, it
+    would kill the rank (SIGTERM) or raise in its start-up (SIGINT)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 STOP, REQUEUE = 1, 2  # stop reasons: a requeue wins over a plain stop when ranks were told both
@@ -52,6 +69,8 @@ class StopSignals:
             if signal.getsignal(sig) is signal.SIG_IGN and sig == signal.SIGINT:
                 continue  # started with SIGINT ignored (nohup, `cmd &`): keep it so
             self.previous[sig] = signal.signal(sig, self._handle)
+        # A rank started with them blocked (stop_signals_blocked) takes one that came meanwhile now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.reason:
@@ -65,23 +84,35 @@ class StopSignals:
 
 
 class forward_signals:  # noqa: N801 - used as a context manager
-    """In a parent whose ranks run elsewhere (child processes, a Slurm job): the first SIGINT/SIGTERM calls
-    `forward` once (the ranks get SIGTERM, checkpoint and stop); a second one raises KeyboardInterrupt here."""
+    """In a parent whose ranks run elsewhere (child processes, a Slurm job): the first SIGINT/SIGTERM is handed on
+    once, by `forward(signum)` (the ranks checkpoint and stop); a second one raises KeyboardInterrupt here.
 
-    def __init__(self, forward: Callable[[], None]):
-        self.forward, self.received = forward, ""
+    `forward` may come later (`to`), once the ranks exist: a signal received before is handed on then."""
+
+    def __init__(self, forward: Callable[[int], None] | None = None):
+        self.forward, self.received, self.signum, self.sent = forward, "", 0, False
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.received:
             self.__exit__()
             raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
+        self.received, self.signum = signal.Signals(signum).name, signum
         print(f"ddpexp: {self.received}: stopping at the next step boundary (again to exit at once)", file=sys.stderr)
-        self.forward()
+        self._send()
+
+    def to(self, forward: Callable[[int], None]) -> None:
+        self.forward = forward
+        self._send()
+
+    def _send(self) -> None:
+        # Also called from the handler: whichever of the two runs second sees `sent` and does nothing.
+        if self.received and self.forward is not None and not self.sent:
+            self.sent = True
+            self.forward(self.signum)
 
     def __enter__(self) -> forward_signals:
         self.previous = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             if signal.getsignal(sig) is not signal.SIG_IGN:
                 self.previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -92,10 +123,10 @@ class forward_signals:  # noqa: N801 - used as a context manager
         self.previous = {}
 
 
-def terminate(pids: list[int]) -> None:
+def terminate(pids: list[int], signum: int = signal.SIGTERM) -> None:
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signum)
         except ProcessLookupError:
             pass
 

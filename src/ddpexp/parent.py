@@ -14,14 +14,13 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ddpexp import check, data, sweep
 from ddpexp.config import Config, ConfigError
 from ddpexp.job import Job, read_json, write_json
-from ddpexp.launchers import Interrupted, RankFailure, tail
+from ddpexp.launchers import Interrupted, RankFailure, resolve_local, tail
 from ddpexp.objective import needs_each_value
 from ddpexp.plan import render as render_plan
 from ddpexp.schema import FREE, closest_key, unknown_keys
@@ -38,15 +37,16 @@ def run(dcfg: DictConfig, cmd: Command) -> float | None:
     start = time.time()
     cfg = to_config(dcfg)
     config = OmegaConf.to_container(dcfg, resolve=True)
-    if cfg.launcher.local:
-        resolve_devices(cfg)
-        config.update(gpus=cfg.gpus, device=cfg.device)  # type: ignore[union-attr]
+    launch = launch_function(cfg.launcher._target_)
+    launcher = sys.modules[launch.__module__]
+    # Pins device and gpus, checks hosts, asks Slurm (ddpexp.launchers); a launcher without one starts ranks here.
+    getattr(launcher, "resolve", resolve_local)(cfg)
+    config.update(gpus=cfg.gpus, device=cfg.device)  # type: ignore[union-attr]
     if "root" in cfg.data:
         cfg.data["root"] = config["data"]["root"] = os.path.abspath(cfg.data["root"])  # type: ignore[index]
     job = make_job(yaml.safe_dump(config, sort_keys=False), cmd.argv)
-    launch = get_method(cfg.launcher._target_)
     if cfg.plan:
-        print(render_plan(cfg, job, sys.modules[launch.__module__]))
+        print(render_plan(cfg, job, launcher))
         cmd.planned = True
         return None
     done = check_resume(cfg, job, cmd)
@@ -71,6 +71,26 @@ def run(dcfg: DictConfig, cmd: Command) -> float | None:
         cmd.deferred.append((job, waiter, start))  # submit every job of the sweep before waiting for any
         return None
     return wait(job, waiter, start)
+
+
+def launch_function(target: str) -> Any:
+    """`launcher._target_`'s function: one that does not import is bad input, not a traceback."""
+    import importlib
+
+    module, _, name = target.rpartition(".")
+    try:  # not hydra.utils.get_method: it logs the failure at ERROR level, over several lines, before raising
+        function = getattr(importlib.import_module(module), name)
+        if callable(function):
+            return function
+        cause: Exception = TypeError(f"{name} is not a function")
+    except (ImportError, AttributeError, ValueError) as e:
+        cause = e
+    from ddpexp.launchers import launcher_schemas
+
+    raise ConfigError(
+        f"launcher._target_={target!r}: cannot import it ({type(cause).__name__}: {cause}); "
+        f"pick a launcher with launcher=NAME ({', '.join(sorted(launcher_schemas()))})"
+    )
 
 
 def wait(job: Job, waiter: Any, start: float) -> float | None:
@@ -223,12 +243,16 @@ def config_drift(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def world_size(cfg: dict[str, Any]) -> int | None:
-    """Ranks the config asks for, when it fixes them (an elastic torchrun range does not)."""
-    launcher = cfg.get("launcher", {})
-    nodes = launcher.get("nodes", launcher.get("nnodes", 1))
-    if cfg.get("gpus") is None or ":" in str(nodes):
+    """Ranks a resolved config asks for, as its launcher counts them (ddpexp.launchers); None when they are known
+    only at start (an elastic torchrun range) or the launcher does not say."""
+    import importlib
+
+    try:
+        launcher = importlib.import_module(str(cfg.get("launcher", {}).get("_target_", "")).rpartition(".")[0])
+    except (ImportError, ValueError):  # no launcher named, or one that is gone
         return None
-    return int(cfg["gpus"]) * int(nodes)
+    count = getattr(launcher, "world_size", None)
+    return count(cfg) if count else None
 
 
 def to_config(dcfg: DictConfig) -> Config:
@@ -247,19 +271,6 @@ def to_config(dcfg: DictConfig) -> Config:
             f"+{key}: no such key{closest_key(key, type(cfg.launcher))}; `+` adds arguments to {', '.join(FREE)} only"
         )
     return cfg
-
-
-def resolve_devices(cfg: Config) -> None:
-    """Pin `device` and `gpus` for a launcher that starts ranks on this machine."""
-    import torch
-
-    visible = torch.cuda.device_count()
-    if cfg.device == "cuda" and visible == 0:
-        raise ConfigError("device=cuda: no CUDA GPU is visible here; use device=cpu (or device=auto)")
-    cfg.device = cfg.device if cfg.device != "auto" else ("cuda" if visible else "cpu")
-    cfg.gpus = cfg.gpus or (visible if cfg.device == "cuda" else 2)
-    if cfg.device == "cuda" and cfg.gpus > visible:
-        raise ConfigError(f"gpus={cfg.gpus}: only {visible} CUDA GPU(s) visible here; use gpus<={visible}")
 
 
 def make_job(config_yaml: str, argv: list[str]) -> Job:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import Any
 
 from ddpexp.config import ConfigError, LauncherConfig, check
 from ddpexp.launchers import RankFailure, tail
@@ -21,7 +22,6 @@ from ddpexp.launchers import RankFailure, tail
 @dataclass
 class SlurmConfig(LauncherConfig):
     _target_: str = "ddpexp.launchers.slurm.launch"
-    local: ClassVar[bool] = False
     nodes: int = 1  # tasks per node = gpus
     gpus_per_node: int | None = None  # null: gpus, unless device=cpu (then none)
     cpus_per_task: int = 1
@@ -111,11 +111,76 @@ def requeue() -> bool:
     return True
 
 
-def executor(cfg: Any, job: Any) -> Any:
+def resolve(cfg: Any) -> None:
+    """Pin `device` (and `gpus`) from what Slurm says the partition's nodes have, sinfo's GRES: with device=auto,
+    nodes without GPUs run CPU ranks (asked for GPUs there, sbatch refuses: "Invalid generic resource")."""
+    _submitit()
+    if not cfg.plan and shutil.which("sbatch") is None:
+        raise ConfigError("launcher=slurm: sbatch not found on PATH; run this on a Slurm login node")
+    if cfg.device == "auto" and cfg.launcher.gpus_per_node == 0:  # asks for no GPUs: CPU ranks
+        cfg.device = "cpu"
+    if cfg.device == "cpu":
+        return
+    try:
+        partition, gpus = node_gpus(cfg.launcher.partition)
+    except ConfigError as e:
+        check(
+            cfg.device == "cuda",
+            f"launcher=slurm, device=auto: sinfo cannot tell whether the nodes have GPUs ({e}); "
+            "set device=cpu or device=cuda",
+        )
+        return  # device=cuda: sbatch has the last word
+    check(bool(gpus), f"launcher.partition={partition!r}: Slurm has no such partition (sinfo lists none)")
+    if max(gpus) == 0:
+        check(
+            cfg.device == "auto",
+            f"device=cuda: the nodes of Slurm partition {partition!r} have no GPUs (sinfo's GRES); use "
+            "device=cpu or another launcher.partition",
+        )
+        cfg.device = "cpu"
+        return
+    cfg.device = "cuda"
+    if cfg.gpus is None and len(set(gpus) - {0}) == 1:  # every GPU node has as many: all of them, as spawn does
+        cfg.gpus = max(gpus)
+
+
+def node_gpus(partition: str | None) -> tuple[str | None, list[int]]:
+    """The partition (none: the default one) and its GPUs per node, for each group of nodes sinfo lists there;
+    [] for a partition Slurm does not have. ConfigError with sinfo's reason when it cannot answer."""
+    command = ["sinfo", "--noheader", "--format=%P|%G", *([f"--partition={partition}"] if partition else [])]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ConfigError(str(e)) from None
+    if done.returncode != 0:
+        raise ConfigError(slurm_reason(done.stderr))
+    rows = [line.split("|", 1) for line in done.stdout.splitlines() if "|" in line]
+    if not partition:  # sinfo marks the default partition: `debug*`
+        rows = [row for row in rows if row[0].endswith("*")] or rows
+    return (rows[0][0].rstrip("*") if rows else partition), [gres_gpus(gres) for _, gres in rows]
+
+
+def gres_gpus(gres: str) -> int:
+    """The GPUs in one sinfo GRES field: `(null)`, `gpu:4`, `gpu:a100:4(S:0-1)`, `gpu:a100:2,gpu:v100:2,mps:200`."""
+    return sum(int(n) for n in re.findall(r"(?:^|,)gpu(?::[^:,(]+)?:(\d+)", gres))
+
+
+def _submitit() -> Any:
     try:
         import submitit
     except ImportError as e:
         raise ConfigError("launcher=slurm needs submitit: pip install submitit") from e
+    return submitit
+
+
+def world_size(config: dict[str, Any]) -> int | None:
+    """`gpus` tasks on each of `launcher.nodes` nodes."""
+    gpus = config.get("gpus")
+    return gpus * config.get("launcher", {}).get("nodes", 1) if gpus is not None else None
+
+
+def executor(cfg: Any, job: Any) -> Any:
+    submitit = _submitit()
     lc = cfg.launcher
     check(cfg.gpus is not None, "launcher=slurm: set gpus=N, the ranks (Slurm tasks) per node")
     gpus_per_node = lc.gpus_per_node if lc.gpus_per_node is not None else (0 if cfg.device == "cpu" else cfg.gpus)
@@ -141,8 +206,6 @@ def executor(cfg: Any, job: Any) -> Any:
 
 
 def launch(worker: Callable[..., None], cfg: Any, job: Any) -> Waiter | None:
-    if shutil.which("sbatch") is None:
-        raise ConfigError("launcher=slurm: sbatch not found on PATH; run this on a Slurm login node")
     from submitit.core.utils import FailedJobError
 
     ex = executor(cfg, job)
@@ -151,24 +214,25 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> Waiter | None:
         with contextlib.redirect_stderr(said):  # submitit prints sbatch's stderr, then raises it: say it once
             sjob = ex.submit(SlurmTask(worker, cfg, job))
     except FailedJobError as e:  # sbatch refused the job: show Slurm's own words
-        raise ConfigError(f"sbatch refused the job: {sbatch_refusal(str(e))}") from None
+        raise ConfigError(f"sbatch refused the job: {slurm_reason(str(e))}") from None
     sys.stderr.write(said.getvalue())
     print(f"ddpexp: submitted Slurm job {sjob.job_id} ({cfg.launcher.nodes} node(s) x {cfg.gpus} tasks); "
           f"logs in {sjob.paths.folder}", flush=True)  # fmt: skip
     return Waiter(sjob, cfg.launcher.poll_interval_s) if cfg.launcher.wait else None
 
 
-def sbatch_refusal(stderr: str) -> str:
-    """sbatch's reason in one line: its `fatal:` line; else its first `error:` line (the cause, e.g. `invalid
-    partition specified: nope`) and, when there are more, the last (`Batch job submission failed: ...`)."""
+def slurm_reason(stderr: str) -> str:
+    """A Slurm command's reason in one line: its `fatal:` line; else its first `error:` line (the cause, e.g.
+    `invalid partition specified: nope`) and, when there are more, the last (`Batch job submission failed: ...`)."""
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    fatal = [line for line in lines if line.startswith("sbatch: fatal:")]
+    said = [(line, line.partition(": ")[2]) for line in lines]  # ("sbatch: error: x", "error: x")
+    fatal = [line for line, what in said if what.startswith("fatal:")]
     if fatal:
         return fatal[-1]
-    errors = [line for line in lines if line.startswith("sbatch: error:")]
+    errors = [(line, what) for line, what in said if what.startswith("error:")]
     if not errors:
         return lines[-1] if lines else "no message"
-    return errors[0] if len(errors) == 1 else f"{errors[0]}; {errors[-1].removeprefix('sbatch: ')}"
+    return errors[0][0] if len(errors) == 1 else f"{errors[0][0]}; {errors[-1][1]}"
 
 
 class Waiter:
@@ -181,7 +245,7 @@ class Waiter:
         from ddpexp.faults import forward_signals
 
         try:
-            with forward_signals(lambda: self._scancel("--signal=TERM")):
+            with forward_signals(lambda signum: self._scancel("--signal=TERM")):
                 self._follow()
         except KeyboardInterrupt:
             self._scancel()

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import os
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from ddpexp.config import LauncherConfig, check
-from ddpexp.faults import detach_from_terminal, die_with_parent, forward_signals, terminate
-from ddpexp.launchers import RankFailure, check_resolves, tail
+from ddpexp.faults import detach_from_terminal, die_with_parent, forward_signals, stop_signals_blocked, terminate
+from ddpexp.launchers import RankFailure, check_resolves, resolve_local, tail
 
 
 @dataclass
@@ -26,7 +25,20 @@ class SpawnConfig(LauncherConfig):
             self.master_port is None or 0 <= self.master_port <= 65535,
             f"launcher.master_port={self.master_port}: must be a port 0..65535 (0 or null: a free one)",
         )
+
+    def check_hosts(self) -> None:
         check_resolves("launcher.master_addr", self.master_addr)
+
+
+def resolve(cfg: Any) -> None:
+    """Device and ranks from the GPUs visible here; the master address must resolve."""
+    resolve_local(cfg)
+    cfg.launcher.check_hosts()
+
+
+def world_size(config: dict[str, Any]) -> int | None:
+    """`gpus` ranks, all on this machine."""
+    return config.get("gpus")
 
 
 def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
@@ -58,22 +70,21 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
 
 
 def _start_and_join(mp: Any, n: int, args: tuple) -> None:
-    """Ranks start with SIGINT ignored (they leave the terminal's group once up: faults.detach_from_terminal);
-    this process forwards the user's first Ctrl-C/SIGTERM to them as SIGTERM (see faults.forward_signals)."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        ctx = mp.start_processes(_run_rank, args=args, nprocs=n, join=False, start_method="spawn")
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    try:
-        with forward_signals(partial(terminate, ctx.pids())):
+    """Ranks start with SIGINT/SIGTERM blocked (faults.stop_signals_blocked), then leave the terminal's group
+    (faults.detach_from_terminal); this process hands the user's first Ctrl-C/SIGTERM on to them, the same signal
+    (faults.forward_signals), also one that came while they started."""
+    with forward_signals() as forwarding:
+        with stop_signals_blocked():
+            ctx = mp.start_processes(_run_rank, args=args, nprocs=n, join=False, start_method="spawn")
+        forwarding.to(partial(terminate, ctx.pids()))
+        try:
             # A failed rank: the others get GRACE_S to fail on their own (gloo sees the peer go), then SIGTERM/KILL.
             while not ctx.join(timeout=0.5, grace_period=GRACE_S):
                 pass
-    except KeyboardInterrupt:  # a second Ctrl-C: at once (multiprocessing would join the ranks at exit)
-        for process in ctx.processes:
-            process.kill()
-        raise
+        except KeyboardInterrupt:  # a second Ctrl-C: at once (multiprocessing would join the ranks at exit)
+            for process in ctx.processes:
+                process.kill()
+            raise
 
 
 GRACE_S = 5.0

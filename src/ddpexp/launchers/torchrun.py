@@ -9,8 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ddpexp.config import LauncherConfig, check
-from ddpexp.launchers import RankFailure, check_resolves, tail
+from ddpexp.config import ConfigError, LauncherConfig, check
+from ddpexp.faults import detach_from_terminal, die_with_parent, forward_signals, terminate
+from ddpexp.launchers import RankFailure, check_resolves, resolve_local, tail
 
 
 @dataclass
@@ -20,7 +21,7 @@ class TorchrunConfig(LauncherConfig):
     rdzv_backend: str = "c10d"
     rdzv_endpoint: str = "localhost:0"  # port 0: a free port (single node); multi-node: HOST:PORT on every node
     rdzv_id: str = "ddpexp"
-    rdzv_timeout_s: int = 900
+    rdzv_timeout_s: int = 900  # every node must have joined the rendezvous within this (c10d's join_timeout)
     max_restarts: int = 0
     monitor_interval_s: float = 0.1
     local_addr: str | None = None
@@ -37,7 +38,9 @@ class TorchrunConfig(LauncherConfig):
             hi == 1 or port != 0,
             f"launcher.nnodes={self.nnodes}: set launcher.rdzv_endpoint=HOST:PORT, the same on every node",
         )
-        check_resolves("launcher.rdzv_endpoint", host, self.rdzv_endpoint)
+
+    def check_hosts(self) -> None:
+        check_resolves("launcher.rdzv_endpoint", self.endpoint()[0], self.rdzv_endpoint)
         if self.local_addr is not None:
             check_resolves("launcher.local_addr", self.local_addr)
 
@@ -91,16 +94,34 @@ class TorchrunConfig(LauncherConfig):
         return host, port
 
     def node_range(self) -> tuple[int, int]:
-        try:
-            lo, _, hi = str(self.nnodes).partition(":")
-            return int(lo), int(hi or lo)
-        except ValueError:
-            return 0, 0
+        return node_range(self.nnodes)
+
+
+def node_range(nnodes: Any) -> tuple[int, int]:
+    """`N` or `MIN:MAX` as (MIN, MAX); (0, 0) when it is neither."""
+    try:
+        lo, _, hi = str(nnodes).partition(":")
+        return int(lo), int(hi or lo)
+    except ValueError:
+        return 0, 0
+
+
+def resolve(cfg: Any) -> None:
+    """Device and ranks per node from the GPUs visible here; the rendezvous (and local) address must resolve."""
+    resolve_local(cfg)
+    cfg.launcher.check_hosts()
+
+
+def world_size(config: dict[str, Any]) -> int | None:
+    """`gpus` per node times a fixed node count; None for an elastic MIN:MAX range."""
+    lo, hi = node_range(config.get("launcher", {}).get("nnodes", 1))
+    return config["gpus"] * lo if lo == hi and config.get("gpus") is not None else None
 
 
 def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     lc = cfg.launcher
@@ -120,21 +141,34 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
         run_id=lc.rdzv_id,
         rdzv_backend=lc.rdzv_backend,
         rdzv_endpoint=lc.rdzv_endpoint,
-        rdzv_configs={"timeout": lc.rdzv_timeout_s},
+        # c10d and etcd-v2 read join_timeout, etcd reads timeout; each ignores keys it does not know.
+        rdzv_configs={"join_timeout": lc.rdzv_timeout_s, "timeout": lc.rdzv_timeout_s},
         max_restarts=lc.max_restarts,
         monitor_interval=lc.monitor_interval_s,
         start_method="spawn",
         local_addr=lc.local_addr,
+        # The agent's own SIGINT/SIGTERM handling stops the ranks and then waits its shutdown timeout (30 s) for
+        # them: a rank that stopped and returned waits, in torch's _wrap, until the agent reads its return value
+        # (queue_finished_reading_event, torch/distributed/elastic/multiprocessing/api.py), which only the
+        # agent's monitoring does, and that has stopped. So this process hands the signal on itself, as spawn
+        # does, and the agent goes on monitoring until the ranks return. The agent keeps SIGHUP and SIGQUIT.
+        signals_to_handle="SIGHUP,SIGQUIT",
     )
+    if max_nodes > 1:
+        more = f"{max_nodes - 1}" if min_nodes == max_nodes else f"{min_nodes - 1} to {max_nodes - 1}"
+        print(f"ddpexp: waiting for {more} more node(s) at the rendezvous {lc.rdzv_endpoint} (launcher.nnodes="
+              f"{lc.nnodes}), for at most launcher.rdzv_timeout_s={lc.rdzv_timeout_s} s", flush=True)  # fmt: skip
     try:
-        elastic_launch(config, _run_rank)(worker, cfg, job)
-    except SignalException as e:
-        # Ctrl-C/SIGTERM here: the agent passed it on to the ranks (they checkpoint and stop) and waited for
-        # them; the job's summary says where they stopped. A second signal interrupts that wait: exit at once.
-        if isinstance(e.__context__, SignalException):
-            raise KeyboardInterrupt from None
+        with forward_signals(_to_ranks):
+            elastic_launch(config, _run_rank)(worker, cfg, job)
+    except RendezvousTimeoutError:
+        raise ConfigError(
+            f"launcher.nnodes={lc.nnodes}: fewer than {min_nodes} node(s) joined the rendezvous at "
+            f"{lc.rdzv_endpoint} within launcher.rdzv_timeout_s={lc.rdzv_timeout_s} s; start the same command "
+            "(same launcher.rdzv_endpoint and rdzv_id) on every node"
+        ) from None
+    except SignalException as e:  # SIGHUP/SIGQUIT: the agent passed it on to the ranks and waited for them
         logging.getLogger("ddpexp").warning("torchrun agent stopped by %s", e.sigval.name)
-        return
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         detail = (
@@ -143,10 +177,15 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
         raise RankFailure(rank, tail(detail or str(failure.message) or f"exit code {failure.exitcode}")) from None
 
 
+def _to_ranks(signum: int) -> None:
+    """The ranks are the processes the agent started here (multiprocessing's children of this process)."""
+    import multiprocessing
+
+    terminate([p.pid for p in multiprocessing.active_children()], signum)
+
+
 def _run_rank(worker: Callable[..., None], cfg: Any, job: Any) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
-
-    from ddpexp.faults import detach_from_terminal, die_with_parent
 
     die_with_parent()
     detach_from_terminal()
