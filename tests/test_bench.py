@@ -104,7 +104,9 @@ def test_lightning_asked_for_but_missing_is_one_line(monkeypatch: pytest.MonkeyP
     with pytest.raises(SystemExit) as e:
         bench.main(["--lightning"])
     assert e.value.code == 2
-    assert "--lightning: Lightning is not installed (pip install -e '.[bench]')" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        "python -m ddpexp.bench: error: --lightning: Lightning is not installed (pip install -e '.[bench]')\n"
+    )
 
 
 @pytest.mark.slow

@@ -30,6 +30,8 @@ def test_device_auto_asks_slurm_and_runs_cpu_ranks_on_nodes_without_gpus(tmp_pat
     auto = ["launcher=slurm", "gpus=2", "launcher.poll_interval_s=0.5"]  # device=auto, the default
     plan = run_ddpexp(*auto, "plan=true", "hydra.run.dir=plan", cwd=tmp_path, env=slurm)
     assert "rank 1: device=cpu RANK=1" in plan.stdout and "--gpus-per-node" not in plan.stdout
+    unsized = run_ddpexp("launcher=slurm", "plan=true", "hydra.run.dir=unsized", cwd=tmp_path, env=slurm)
+    assert "rank 1: device=cpu RANK=1" in unsized.stdout and "rank 2:" not in unsized.stdout  # 2 CPU ranks, as spawn
     refused = run_ddpexp(*auto, "device=cuda", "hydra.run.dir=cuda", cwd=tmp_path, env=slurm, check=False)
     assert refused.returncode == 2 and refused.stderr == (
         "ddpexp: error: device=cuda: the nodes of Slurm partition 'debug' have no GPUs (sinfo's GRES); "

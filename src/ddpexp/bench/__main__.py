@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import platform
+import shlex
 import shutil
 import socket
 import statistics
@@ -144,8 +145,15 @@ def machine() -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _refuse(line: str) -> Any:
+    """Bad arguments: one line and exit 2 (argparse would print its whole usage first)."""
+    print(line, file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ddpexp.bench", description=__doc__.split("\n\n")[0])
+    p.error = lambda message: _refuse(f"{p.prog}: error: {message}")  # type: ignore[method-assign]
     p.add_argument("--model", default="cnn", choices=["cnn", "resnet18"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one GPU per rank, NCCL")
     p.add_argument(
@@ -166,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=900, help="seconds per command")
+    p.add_argument("--plan", action="store_true", help="print the command of each loop and run nothing")
     args = p.parse_args(argv)
     if not 1 <= args.warmup < args.steps:
         p.error(f"--warmup={args.warmup}: must be >= 1 and < --steps={args.steps}")
@@ -182,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         if torch.cuda.device_count() < max(args.world_sizes):
             p.error(f"--device cuda --world-sizes {max(args.world_sizes)}: {torch.cuda.device_count()} GPUs visible")
     args.root = args.root.resolve()
+    if args.plan:  # the arguments are checked above; what would run, repeated --repeats times in turn
+        for ws in args.world_sizes:
+            for loop in loops:
+                print(f"{loop} ws{ws}: {shlex.join(command(loop, args, ws, args.out / 'runs' / f'ws{ws}-{loop}-0'))}")
+        return 0
     if has_mnist(args.root):
         print(f"bench: MNIST files found at {args.root}: using them", flush=True)
     else:

@@ -119,8 +119,14 @@ def resolve(cfg: Any) -> None:
         raise ConfigError("launcher=slurm: sbatch not found on PATH; run this on a Slurm login node")
     if cfg.device == "auto" and cfg.launcher.gpus_per_node == 0:  # asks for no GPUs: CPU ranks
         cfg.device = "cpu"
-    if cfg.device == "cpu":
-        return
+    if cfg.device != "cpu":
+        pin_gpus(cfg)
+    if cfg.device == "cpu" and cfg.gpus is None:  # CPU ranks: 2 per node, as the local launchers run
+        cfg.gpus = 2
+
+
+def pin_gpus(cfg: Any) -> None:
+    """device=auto or cuda: CUDA ranks where the partition's nodes have GPUs; auto on nodes without: CPU ranks."""
     try:
         partition, gpus = node_gpus(cfg.launcher.partition)
     except ConfigError as e:
