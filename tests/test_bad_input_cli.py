@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_ddpexp
-from ddpexp.config import ConfigError
+from ddpexp.exceptions import ConfigError
 from ddpexp.launchers.slurm import SlurmConfig, slurm_reason
 from ddpexp.launchers.spawn import SpawnConfig
 from ddpexp.launchers.torchrun import TorchrunConfig

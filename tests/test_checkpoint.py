@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpexp import checkpoint
-from ddpexp.checkpoint import CheckpointError
+from ddpexp.exceptions import CheckpointError
+from ddpexp.rank import checkpoint
 
 SAVER = """
 import sys, torch
-from ddpexp import checkpoint
+from ddpexp.rank import checkpoint
 ckpt_dir = sys.argv[1]
 step = 0
 while True:

@@ -10,11 +10,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from conftest import ROOT, run_ddpexp
-from ddpexp.check import components
-from ddpexp.config import Config, ConfigError
-from ddpexp.data import Splits
-from ddpexp.parent import to_config
-from ddpexp.schema import register_configs
+from ddpexp.config import Config
+from ddpexp.exceptions import ConfigError
+from ddpexp.parent.check import components
+from ddpexp.parent.launch import to_config
+from ddpexp.parent.schema import register_configs
+from ddpexp.parts.data import Splits
 
 
 def make_config(*overrides: str) -> Config:

@@ -12,10 +12,11 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from conftest import ROOT, ddpexp_env, run_ddpexp
-from ddpexp.config import Config, ConfigError
+from ddpexp.config import Config
+from ddpexp.exceptions import ConfigError
 from ddpexp.launchers import launcher_schemas
-from ddpexp.parent import to_config
-from ddpexp.schema import register_configs
+from ddpexp.parent.launch import to_config
+from ddpexp.parent.schema import register_configs
 
 CONF = ROOT / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
@@ -64,7 +65,7 @@ MODEL_SHAPES = [
 def test_models_fit_the_data_shape(name: str, shape: tuple[int, int]) -> None:
     import torch
 
-    from ddpexp.optim import call_accepting
+    from ddpexp.parts.optim import call_accepting
 
     in_channels, size = shape
     cfg = make_config(f"model={name}")
@@ -77,7 +78,7 @@ def test_models_fit_the_data_shape(name: str, shape: tuple[int, int]) -> None:
 def test_gpt_is_causal_and_fits_the_text_data() -> None:
     import torch
 
-    from ddpexp.optim import call_accepting
+    from ddpexp.parts.optim import call_accepting
 
     cfg = make_config("model=gpt", "data=stdlib_text", "task=language_model", "data.block_size=16")
     model = call_accepting(instantiate(cfg.model, _partial_=True), vocab_size=98, block_size=16).eval()
@@ -101,7 +102,7 @@ def test_tutorial_preset_reproduces_the_seed_setup() -> None:
 
 
 def call_model(cfg: Config):  # type: ignore[no-untyped-def]
-    from ddpexp.optim import call_accepting
+    from ddpexp.parts.optim import call_accepting
 
     return call_accepting(instantiate(cfg.model, _partial_=True), num_classes=10, in_channels=1, image_size=28)
 
@@ -114,7 +115,7 @@ def test_command_line_overrides_win_over_presets() -> None:
 def test_optimizers_and_schedulers_build() -> None:
     import torch
 
-    from ddpexp.optim import call_accepting
+    from ddpexp.parts.optim import call_accepting
 
     params = [torch.nn.Parameter(torch.zeros(3))]
     for name, cls in [("sgd", torch.optim.SGD), ("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)]:
@@ -188,7 +189,7 @@ BAD_INPUT = [
 
 
 def test_config_drift_names_the_result_changing_keys_only() -> None:
-    from ddpexp.parent import config_drift
+    from ddpexp.parent.resume_decision import config_drift
 
     torchrun = "ddpexp.launchers.torchrun.launch"
     old = {"model": {"_target_": "m", "hidden": [256]}, "data": {"root": "/a", "seed": 0}, "batch_size": 64,
@@ -244,7 +245,7 @@ def test_a_model_that_raises_is_one_line_and_hydra_full_error_shows_why(tmp_path
 def test_more_gpus_than_visible_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from ddpexp.launchers import resolve_local
+    from ddpexp.launchers.base import resolve_local
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # this machine has no GPU to count
     cfg = make_config("device=cuda", "gpus=4")
@@ -276,7 +277,7 @@ def test_more_cpu_ranks_than_cores_is_one_warning_line(tmp_path: Path, capsys: p
     )
     assert f"{cores + 1} rank(s); nothing was started" in proc.stdout
 
-    from ddpexp.launchers import resolve_local
+    from ddpexp.launchers.base import resolve_local
 
     resolve_local(make_config("launcher=spawn", "device=cpu", f"gpus={cores}"))
     assert capsys.readouterr().err == ""

@@ -13,9 +13,9 @@ import torch
 from torchvision import datasets, transforms
 
 from conftest import load_weights, read_summary, run_ddpexp
-from ddpexp import data, loaders
-from ddpexp.inmemory import CACHE_DIR, augment, batchable
-from ddpexp.loaders import InMemoryLoader, eval_batches
+from ddpexp.parts import data, loaders
+from ddpexp.parts.inmemory import CACHE_DIR, augment, batchable
+from ddpexp.parts.loaders import InMemoryLoader, eval_batches
 from test_e2e import write_mnist_idx
 
 CPU = torch.device("cpu")
@@ -148,9 +148,9 @@ def test_in_memory_and_dataloader_paths_train_the_same_weights(mnist_root: Path)
 
 def test_speed_defaults_are_fp32_on_cpu_and_fast_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     from ddpexp.config import Config
-    from ddpexp.models import cnn, mlp
-    from ddpexp.optim import fused_kwargs
-    from ddpexp.speed import speed_defaults
+    from ddpexp.parts.models import cnn, mlp
+    from ddpexp.parts.optim import fused_kwargs
+    from ddpexp.rank.speed import speed_defaults
 
     cfg = Config(
         launcher={"_target_": "x"},

@@ -82,7 +82,7 @@ def load_init(job: Path, key: str):  # type: ignore[no-untyped-def]
     """The seeded initial value of one parameter, rebuilt the way the worker builds the model."""
     import torch
 
-    from ddpexp import models
+    from ddpexp.parts import models
 
     torch.manual_seed(3)
     return models.cnn(10, 1, 8).state_dict()[key]
@@ -220,7 +220,7 @@ _SERVICE_DIES = """
 import json, os, signal, sys, time
 from ddpexp.config import WandbConfig
 from ddpexp.job import Job
-from ddpexp.tracking import Tracker
+from ddpexp.rank.tracking import Tracker
 
 job = Job(dir=sys.argv[1], name="n", group=None, launcher="spawn", config_yaml="a: 1\\n")
 tracker = Tracker(job, WandbConfig(mode="offline"), {"a": 1}, progress_bar=False)

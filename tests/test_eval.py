@@ -22,8 +22,8 @@ def case(name: str) -> tuple[Any, Any, Any]:
     """(task, dataset, model) of one task, with the model's BatchNorm stats set to something other than init."""
     import torch
 
-    from ddpexp import tasks
-    from ddpexp.models import gpt
+    from ddpexp.parts import tasks
+    from ddpexp.parts.models import gpt
 
     g = torch.Generator().manual_seed(1)
     torch.manual_seed(0)
@@ -50,7 +50,7 @@ def eval_worker(cfg: Any, job: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from ddpexp.evaluation import evaluate
+    from ddpexp.rank.evaluation import evaluate
 
     dist.init_process_group("gloo", init_method="env://")
     try:

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import ddpexp_env
-from ddpexp.report import main as report_main
+from ddpexp.report.main import main as report_main
 
 # job -> (overrides, summary or None, val/acc per epoch); the metrics rows follow from them
 JOBS = {
@@ -205,8 +205,8 @@ def test_the_objective_plot_keeps_its_legend_off_the_title(sweep: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    from ddpexp import plots
-    from ddpexp.report import build
+    from ddpexp.report import plots
+    from ddpexp.report.main import build
 
     fig = plots.objective_figure(build([str(sweep)], None, None))
     fig.canvas.draw()

@@ -10,8 +10,8 @@ from conftest import ddpexp_env
 # One process, one thread: the cnn's training step at batch 64, page faults per step before and after.
 SCRIPT = """
 import resource, torch, torch.nn.functional as F
-from ddpexp import speed
-from ddpexp.models import cnn
+from ddpexp.rank import speed
+from ddpexp.parts.models import cnn
 
 torch.set_num_threads(1)
 torch.manual_seed(0)

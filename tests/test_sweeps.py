@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, ckpt_config, ddpexp_env, read_summary, run_ddpexp
-from ddpexp.report import fmt
+from ddpexp.report.main import fmt
 
 pytestmark = pytest.mark.slow
 

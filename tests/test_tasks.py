@@ -24,10 +24,10 @@ from conftest import (
     read_summary,
     run_ddpexp,
 )
-from ddpexp.check import components
-from ddpexp.config import ConfigError
-from ddpexp.parent import to_config
-from ddpexp.schema import register_configs
+from ddpexp.exceptions import ConfigError
+from ddpexp.parent.check import components
+from ddpexp.parent.launch import to_config
+from ddpexp.parent.schema import register_configs
 
 USER_TASK = ["~task.top_k", "~task.label_smoothing"]  # task=classification's keys, which a user's task does not take
 TESTS_ON_PATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}

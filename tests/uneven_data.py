@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, TensorDataset
 
-from ddpexp.data import Splits
+from ddpexp.parts.data import Splits
 
 
 class PerRankStream(IterableDataset):

@@ -11,13 +11,11 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from ddpexp.api import Summary, run
-    from ddpexp.config import ConfigError
-    from ddpexp.errors import RunFailed
-    from ddpexp.launchers import Interrupted
+    from ddpexp.cli.api import Summary, run
+    from ddpexp.exceptions import ConfigError, Interrupted, RunFailed
 
-_PUBLIC = {"run": "ddpexp.api", "Summary": "ddpexp.api", "ConfigError": "ddpexp.config",
-           "RunFailed": "ddpexp.errors", "Interrupted": "ddpexp.launchers"}  # fmt: skip
+_PUBLIC = {"run": "ddpexp.cli.api", "Summary": "ddpexp.cli.api", "ConfigError": "ddpexp.exceptions",
+           "RunFailed": "ddpexp.exceptions", "Interrupted": "ddpexp.exceptions"}  # fmt: skip
 __all__ = ["ConfigError", "Interrupted", "RunFailed", "Summary", "run"]
 
 

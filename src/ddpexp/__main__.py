@@ -1,35 +1,6 @@
-"""`ddpexp [overrides]` (or `python -m ddpexp`): Hydra composes ddpexp's configs (packaged as ddpexp/conf/) and a
-user project's (`--config-dir DIR`, or ./conf), then parent.run() launches the job (or each job of -m).
-`ddpexp report PATH...` tabulates finished jobs (ddpexp.report). From Python: ddpexp.run([...]) (ddpexp.api)."""
+"""`python -m ddpexp`: the same command as `ddpexp` (ddpexp.cli.main)."""
 
-from __future__ import annotations
-
-import sys
-
-import hydra
-
-
-def main() -> None:
-    if sys.argv[1:2] == ["report"]:  # `ddpexp report PATH...`: reads run records, composes no config
-        from ddpexp.report import main as report_main
-
-        sys.exit(report_main(sys.argv[2:]))
-    from ddpexp import hydra_patches, project
-    from ddpexp.command import Command
-    from ddpexp.schema import register_configs
-
-    given = project.given_config_dir(sys.argv[1:])
-    conf = project.config_dir(given)
-    if conf is not None and given is None:  # ./conf: as if given, so the resume and plan lines carry it
-        sys.argv[1:1] = ["--config-dir", conf]
-    register_configs()
-    cmd = Command(argv=sys.argv[1:])  # the command's state, for its whole lifetime
-    with hydra_patches.installed(cmd, cli=True), project.on_path(conf):
-        hydra.main(config_path=project.PACKAGE_CONF, config_name="config", version_base="1.3")(cmd.task)()
-        cmd.wait_deferred()  # a multirun that submitted jobs to a scheduler: wait for them now
-        if cmd.failed:
-            sys.exit(f"ddpexp: {cmd.failed_jobs_message()}")
-
+from ddpexp.cli.main import main
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from sklearn.datasets import load_wine
 
-from ddpexp.data import Splits
+from ddpexp.parts.data import Splits
 
 
 def wine(val_fraction: float = 0.25, seed: int = 0) -> Splits:

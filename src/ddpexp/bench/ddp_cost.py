@@ -46,8 +46,8 @@ def _rank(rank: int, args: argparse.Namespace, variant: str, port: int, out: str
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddpexp import speed
     from ddpexp.bench.loops import _batches_tight, build_model
+    from ddpexp.rank import speed
 
     world_size = 1 if variant == "ws1" else args.world_size
     speed.limit_threads(world_size)

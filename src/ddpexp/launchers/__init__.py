@@ -1,64 +1,70 @@
-"""Launcher backends: `launcher=NAME` is conf/launcher/NAME.yaml, launchers/NAME.py and its NameConfig dataclass.
+"""Launchers: how a job's ranks start. One module each (spawn, torchrun, slurm here; a user project's or an installed
+package's too), keeping the contract in launchers/base.py; the parent's process helpers in launchers/processes.py.
 
-A launcher module has `launch(worker, cfg, job)`, which only starts ranks with PyTorch's env:// variables, calls
-`worker(cfg, job)` in each and raises RankFailure when a rank fails; `plan(cfg, job)` for plan=true; and, for the
-parent before anything starts, `resolve(cfg)` (pins `device` and `gpus`, checks what only this machine can tell)
-and `world_size(config) -> int | None` (the ranks a resolved config asks for; None: known only at start).
+`launcher=NAME` is conf/launcher/NAME.yaml, whose `_target_` names the module's `launch`, and the module's
+`NameConfig` dataclass. Found here: every module of this package but the contract's own, then the entry points of
+the `ddpexp.launchers` group (installed packages: `NAME = "pkg.module"`), then a project's YAML naming its module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import os
 import pkgutil
-import socket
 import sys
+from types import ModuleType
 from typing import Any
 
-from ddpexp.exceptions import ConfigError, Interrupted, RankFailure  # noqa: F401 (the launchers' API)
+from ddpexp.exceptions import ConfigError
+from ddpexp.launchers.base import CONTRACT
+
+NOT_LAUNCHERS = ("base", "processes", "testing")  # this package's modules that are not launchers
+ENTRY_POINTS = "ddpexp.launchers"
 
 
 def schema_name(name: str) -> str:
     return "".join(part.title() for part in name.split("_")) + "Config"
 
 
+def launcher_modules() -> dict[str, str]:
+    """{name: module} for this package's launchers and the installed ones (a built-in name wins)."""
+    from importlib.metadata import entry_points
+
+    found = {m.name: f"{__name__}.{m.name}" for m in pkgutil.iter_modules(__path__) if m.name not in NOT_LAUNCHERS}
+    for ep in entry_points(group=ENTRY_POINTS):
+        found.setdefault(ep.name, ep.value)
+    return found
+
+
 def launcher_schemas() -> dict[str, Any]:
-    """{name: dataclass} for every module in this package (a new launcher is found by its file name)."""
+    """{name: dataclass} for every launcher found; an installed one that breaks the contract is skipped, once said."""
     schemas = {}
-    for mod in pkgutil.iter_modules(__path__):
-        module = importlib.import_module(f"{__name__}.{mod.name}")
-        schemas[mod.name] = getattr(module, schema_name(mod.name))
+    for name, module in launcher_modules().items():
+        try:
+            schemas[name] = load(name, module)[1]
+        except ConfigError as e:
+            if module.startswith(f"{__name__}."):
+                raise
+            print(f"ddpexp: warning: skipped the launcher of entry point {name} = {module}: {e}", file=sys.stderr)
     return schemas
 
 
-def tail(text: str, lines: int = 25) -> str:
-    return "\n".join(text.rstrip().splitlines()[-lines:])
-
-
-def check_resolves(key: str, host: str, shown: str | None = None) -> None:
-    """Refuse an address that does not resolve: the ranks would retry the rendezvous there until its timeout.
-    Called by `resolve`, in the parent only: building a config does no network look-up."""
+def load(name: str, module_name: str) -> tuple[ModuleType, type]:
+    """The module of `launcher=name` and its NameConfig dataclass, checked against the contract (base.Launcher):
+    one line naming everything that is missing."""
     try:
-        socket.getaddrinfo(host, None)
-    except (OSError, UnicodeError) as e:
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise ConfigError(f"{key}={shown or host!r}: cannot resolve host {host!r} ({why})") from None
-
-
-def resolve_local(cfg: Any) -> None:
-    """Pin `device` and `gpus` for a launcher that starts ranks on this machine, from the GPUs visible here."""
-    import torch
-
-    visible = torch.cuda.device_count()
-    if cfg.device == "cuda" and visible == 0:
-        raise ConfigError("device=cuda: no CUDA GPU is visible here; use device=cpu (or device=auto)")
-    cfg.device = cfg.device if cfg.device != "auto" else ("cuda" if visible else "cpu")
-    cfg.gpus = cfg.gpus or (visible if cfg.device == "cuda" else 2)
-    if cfg.device == "cuda" and cfg.gpus > visible:
-        raise ConfigError(f"gpus={cfg.gpus}: only {visible} CUDA GPU(s) visible here; use gpus<={visible}")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if cfg.device == "cpu" and cfg.gpus > cores:
-        # Each rank then gets one thread (speed.limit_threads), and ranks take turns on the cores: allowed (a
-        # test of many ranks on a laptop), but slower than it looks.
-        print(f"ddpexp: warning: gpus={cfg.gpus} CPU ranks on {cores} core(s) here: the ranks oversubscribe the "
-              f"cores; gpus<={cores} gives each rank a core of its own", file=sys.stderr, flush=True)  # fmt: skip
+        module = importlib.import_module(module_name)
+    except (ImportError, ValueError) as e:  # ValueError: an empty module name
+        raise ConfigError(f"launcher={name}: cannot import {module_name} ({type(e).__name__}: {e})") from None
+    missing = [f"{f}()" for f in CONTRACT if not callable(getattr(module, f, None))]
+    schema = getattr(module, schema_name(name), None)
+    if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+        missing.append(f"a {schema_name(name)} dataclass")
+    elif "_target_" not in {f.name for f in dataclasses.fields(schema)}:
+        missing.append(f"a _target_ field in {schema_name(name)}")
+    if missing:
+        raise ConfigError(
+            f"launcher={name}: {module_name} is not a ddpexp launcher: it lacks {', '.join(missing)} "
+            "(the contract: ddpexp.launchers.base.Launcher)"
+        )
+    return module, schema

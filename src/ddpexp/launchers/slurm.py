@@ -15,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ddpexp.config import ConfigError, LauncherConfig, check
-from ddpexp.launchers import RankFailure, tail
+from ddpexp.config import LauncherConfig, check
+from ddpexp.exceptions import ConfigError, RankFailure
+from ddpexp.launchers.base import Handle, tail
 
 
 @dataclass
@@ -211,7 +212,7 @@ def executor(cfg: Any, job: Any) -> Any:
     return ex
 
 
-def launch(worker: Callable[..., None], cfg: Any, job: Any) -> Waiter | None:
+def launch(worker: Callable[..., None], cfg: Any, job: Any) -> Handle:
     from submitit.core.utils import FailedJobError
 
     ex = executor(cfg, job)
@@ -224,7 +225,7 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> Waiter | None:
     sys.stderr.write(said.getvalue())
     print(f"ddpexp: submitted Slurm job {sjob.job_id} ({cfg.launcher.nodes} node(s) x {cfg.gpus} tasks); "
           f"logs in {sjob.paths.folder}", flush=True)  # fmt: skip
-    return Waiter(sjob, cfg.launcher.poll_interval_s) if cfg.launcher.wait else None
+    return Waiter(sjob, cfg.launcher.poll_interval_s, follow=cfg.launcher.wait)
 
 
 def slurm_reason(stderr: str) -> str:
@@ -242,13 +243,18 @@ def slurm_reason(stderr: str) -> str:
 
 
 class Waiter:
-    """Follows a submitted job: prints rank 0's new log lines, then raises RankFailure if any task failed."""
+    """The Handle of a submitted job: `wait` follows it, printing rank 0's new log lines, then raises RankFailure
+    if any task failed. With launcher.wait=false it returns at once: the job goes on in Slurm's hands."""
 
-    def __init__(self, sjob: Any, poll_interval_s: float):
-        self.sjob, self.poll_interval_s = sjob, poll_interval_s
+    queued = True  # a sweep submits every job before waiting for any
+
+    def __init__(self, sjob: Any, poll_interval_s: float, follow: bool = True):
+        self.sjob, self.poll_interval_s, self.follow = sjob, poll_interval_s, follow
 
     def wait(self) -> None:
-        from ddpexp.faults import forward_signals
+        if not self.follow:
+            return
+        from ddpexp.launchers.processes import forward_signals
 
         try:
             with forward_signals(lambda signum: self._scancel("--signal=TERM")):

@@ -9,8 +9,15 @@ from functools import partial
 from typing import Any
 
 from ddpexp.config import LauncherConfig, check
-from ddpexp.faults import detach_from_terminal, die_with_parent, forward_signals, stop_signals_blocked, terminate
-from ddpexp.launchers import RankFailure, check_resolves, resolve_local, tail
+from ddpexp.exceptions import RankFailure
+from ddpexp.launchers.base import Handle, Started, check_resolves, local_ranks, resolve_local, tail, this_command
+from ddpexp.launchers.processes import (
+    detach_from_terminal,
+    die_with_parent,
+    forward_signals,
+    stop_signals_blocked,
+    terminate,
+)
 
 
 @dataclass
@@ -41,7 +48,7 @@ def world_size(config: dict[str, Any]) -> int | None:
     return config.get("gpus")
 
 
-def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
+def launch(worker: Callable[..., None], cfg: Any, job: Any) -> Handle:
     import torch.multiprocessing as mp
     from torch.distributed import TCPStore
 
@@ -56,35 +63,46 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
         "LOCAL_WORLD_SIZE": str(n),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
+    if n == 1 and lc.inline_single:  # the rank is this process: it runs when the parent waits
+        return Started(partial(_join, mp, store, partial(_run_inline, worker, cfg, job, env)))
+    # Ranks start with SIGINT/SIGTERM blocked (processes.stop_signals_blocked), then leave the terminal's group
+    # (processes.detach_from_terminal); from here until they are joined, this process hands the user's first
+    # Ctrl-C/SIGTERM on to them, the same signal (processes.forward_signals), also one that came while they started.
+    forwarding = forward_signals().__enter__()
     try:
-        if n == 1 and lc.inline_single:
-            _run_inline(worker, cfg, job, env)
-        else:
-            _start_and_join(mp, n, (worker, cfg, job, env))
+        with stop_signals_blocked():
+            ctx = mp.start_processes(
+                _run_rank, args=(worker, cfg, job, env), nprocs=n, join=False, start_method="spawn"
+            )
+    except BaseException:
+        forwarding.__exit__()
+        raise
+    forwarding.to(partial(terminate, ctx.pids()))
+    return Started(partial(_join, mp, store, partial(_join_ranks, ctx), forwarding))
+
+
+def _join(mp: Any, store: Any, join: Callable[[], None], forwarding: forward_signals | None = None) -> None:
+    """The handle's wait: a rank's failure as RankFailure. `store` is held until every rank is done."""
+    try:
+        join()
     except mp.ProcessRaisedException as e:
         raise RankFailure(e.error_index, tail(e.msg.split("error:", 1)[-1])) from None
     except mp.ProcessExitedException as e:
         raise RankFailure(e.error_index, f"exited with code {e.exit_code}") from None
     finally:
-        del store
+        if forwarding is not None:
+            forwarding.__exit__()
 
 
-def _start_and_join(mp: Any, n: int, args: tuple) -> None:
-    """Ranks start with SIGINT/SIGTERM blocked (faults.stop_signals_blocked), then leave the terminal's group
-    (faults.detach_from_terminal); this process hands the user's first Ctrl-C/SIGTERM on to them, the same signal
-    (faults.forward_signals), also one that came while they started."""
-    with forward_signals() as forwarding:
-        with stop_signals_blocked():
-            ctx = mp.start_processes(_run_rank, args=args, nprocs=n, join=False, start_method="spawn")
-        forwarding.to(partial(terminate, ctx.pids()))
-        try:
-            # A failed rank: the others get GRACE_S to fail on their own (gloo sees the peer go), then SIGTERM/KILL.
-            while not ctx.join(timeout=0.5, grace_period=GRACE_S):
-                pass
-        except KeyboardInterrupt:  # a second Ctrl-C: at once (multiprocessing would join the ranks at exit)
-            for process in ctx.processes:
-                process.kill()
-            raise
+def _join_ranks(ctx: Any) -> None:
+    try:
+        # A failed rank: the others get GRACE_S to fail on their own (gloo sees the peer go), then SIGTERM/KILL.
+        while not ctx.join(timeout=0.5, grace_period=GRACE_S):
+            pass
+    except KeyboardInterrupt:  # a second Ctrl-C: at once (multiprocessing would join the ranks at exit)
+        for process in ctx.processes:
+            process.kill()
+        raise
 
 
 GRACE_S = 5.0
@@ -111,9 +129,7 @@ def _run_inline(worker: Callable[..., None], cfg: Any, job: Any, env: dict[str, 
 
 
 def plan(cfg: Any, job: Any) -> dict[str, Any]:
-    from ddpexp.plan import local_ranks, this_command
-
     port = str(cfg.launcher.master_port or "<free port bound at launch>")
     how = "in this process" if cfg.gpus == 1 and cfg.launcher.inline_single else "torch.multiprocessing spawn"
     ranks = local_ranks(cfg, 0, cfg.gpus, (cfg.launcher.master_addr, port))
-    return {"command": f"{this_command(job)}  -> {how} -> ddpexp.worker.main", "ranks": ranks}
+    return {"command": f"{this_command(job)}  -> {how} -> ddpexp.rank.worker.main", "ranks": ranks}

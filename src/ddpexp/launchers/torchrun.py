@@ -7,11 +7,13 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
-from ddpexp.config import ConfigError, LauncherConfig, check
-from ddpexp.faults import detach_from_terminal, die_with_parent, forward_signals, terminate
-from ddpexp.launchers import RankFailure, check_resolves, resolve_local, tail
+from ddpexp.config import LauncherConfig, check
+from ddpexp.exceptions import ConfigError, RankFailure
+from ddpexp.launchers.base import Handle, Started, check_resolves, local_ranks, resolve_local, tail, this_command
+from ddpexp.launchers.processes import detach_from_terminal, die_with_parent, forward_signals, terminate
 
 
 @dataclass
@@ -118,7 +120,12 @@ def world_size(config: dict[str, Any]) -> int | None:
     return config["gpus"] * lo if lo == hi and config.get("gpus") is not None else None
 
 
-def launch(worker: Callable[..., None], cfg: Any, job: Any) -> None:
+def launch(worker: Callable[..., None], cfg: Any, job: Any) -> Handle:
+    """The agent runs in this process's main thread (it sets signal handlers), so it starts when the parent waits."""
+    return Started(partial(_run_agent, worker, cfg, job))
+
+
+def _run_agent(worker: Callable[..., None], cfg: Any, job: Any) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
@@ -194,8 +201,6 @@ def _run_rank(worker: Callable[..., None], cfg: Any, job: Any) -> None:
 
 
 def plan(cfg: Any, job: Any) -> dict[str, Any]:
-    from ddpexp.plan import local_ranks, this_command
-
     lc = cfg.launcher
     lo, hi = lc.node_range()
     world = cfg.gpus if hi == 1 else f"{cfg.gpus}*nnodes({lc.nnodes})"
@@ -204,4 +209,4 @@ def plan(cfg: Any, job: Any) -> dict[str, Any]:
     how = (
         f"elastic agent (rdzv {lc.rdzv_backend} at {lc.rdzv_endpoint}, id {lc.rdzv_id}, max_restarts {lc.max_restarts})"
     )
-    return {"command": f"{this_command(job)}  -> {how} -> ddpexp.worker.main", "ranks": ranks}
+    return {"command": f"{this_command(job)}  -> {how} -> ddpexp.rank.worker.main", "ranks": ranks}

@@ -11,10 +11,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ddpexp.exceptions import CommandError, RunFailed  # noqa: F401 (RunFailed: ddpexp.run's, re-exported)
+from ddpexp.exceptions import CommandError
 
 CONFIG_EXIT, FAILED_EXIT, INTERRUPTED_EXIT = 2, 1, 130
-HERE = os.path.dirname(__file__)  # ddpexp's code: an error raised there is the job's, not the command line's
+# ddpexp's package (this file is in cli/): an error raised in its code is the job's, not the command line's
+HERE = os.path.dirname(os.path.dirname(__file__))
 _SKIP = ("full_key:", "object_type=", "reference_type=", "Set the environment variable HYDRA_FULL_ERROR")
 
 
@@ -47,7 +48,7 @@ def is_config_error(error: BaseException) -> bool:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from ddpexp.config import ConfigError
+    from ddpexp.exceptions import ConfigError
 
     return isinstance(error, (ConfigError, HydraException, OmegaConfBaseException))
 
@@ -55,7 +56,7 @@ def is_config_error(error: BaseException) -> bool:
 def verdict(error: BaseException, cmd: Any) -> tuple[int, str] | None:
     """(exit code, message) for an error the command reports in one line (or with the failing rank's traceback);
     None for anything else: a bug, whose traceback is shown. Interrupted and KeyboardInterrupt exit 130."""
-    from ddpexp.launchers import Interrupted, RankFailure
+    from ddpexp.exceptions import Interrupted, RankFailure
 
     if isinstance(error, RankFailure):
         return FAILED_EXIT, f"error: {error}"
@@ -101,7 +102,7 @@ def report(func: Callable[[], Any], cmd: Any) -> Any:
 def unknown_key(error: BaseException) -> str | None:
     """Hydra's "Could not override 'optimzer.lr'. To append to your config use +optimzer.lr=..." suggests the `+`
     that would add the typo as a new key: name the key that exists instead."""
-    from ddpexp.schema import FREE, closest_key
+    from ddpexp.parent.schema import FREE, closest_key
 
     text = f"{error} {error.__cause__ or ''}"
     found = re.search(r"Could not override '([^']+)'\.", text)

@@ -39,7 +39,7 @@ def short_keys(keys: list[str]) -> dict[str, str]:
 
 
 def label(job: Any, r: dict[str, Any]) -> str:
-    from ddpexp.records import fmt_param
+    from ddpexp.report.records import fmt_param
 
     names = short_keys(r["swept"])
     params = ", ".join(f"{names[k]}={fmt_param(job.overrides[k])}" for k in r["swept"] if k in job.overrides)
@@ -99,7 +99,7 @@ def objective(path: str, r: dict[str, Any]) -> None:
 def objective_figure(r: dict[str, Any]) -> Any:
     import matplotlib.pyplot as plt
 
-    from ddpexp.records import fmt_param, objective_value
+    from ddpexp.report.records import fmt_param, objective_value
 
     jobs, swept, name = r["jobs"], r["swept"], r["objective"]
     ncols = min(3, len(swept))

@@ -35,8 +35,8 @@ class Command:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
-        from ddpexp.errors import report
-        from ddpexp.parent import run
+        from ddpexp.cli.errors import report
+        from ddpexp.parent.launch import run
 
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             return self.run_in_sweep(dcfg)
@@ -54,9 +54,9 @@ class Command:
         command (a CommandError), stops the whole sweep."""
         from hydra.core.hydra_config import HydraConfig
 
-        from ddpexp.errors import is_config_error, one_line, record_refusal
-        from ddpexp.objective import failed_trial
-        from ddpexp.parent import run
+        from ddpexp.cli.errors import is_config_error, one_line, record_refusal
+        from ddpexp.parent.launch import run
+        from ddpexp.parent.objective import failed_trial
 
         try:
             return run(dcfg, self)
@@ -76,7 +76,7 @@ class Command:
     def wait_deferred(self) -> None:
         """After a multirun's submissions: wait for the scheduler's jobs."""
         if self.deferred:
-            from ddpexp.parent import wait_deferred
+            from ddpexp.parent.launch import wait_deferred
 
             self.failed.extend(wait_deferred(self))
 

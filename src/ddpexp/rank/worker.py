@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from ddpexp import distributed, resume, speed
 from ddpexp.config import Config
 from ddpexp.exceptions import NonFinite, Stopped
-from ddpexp.faults import StopSignals
 from ddpexp.job import Job, write_json
-from ddpexp.tracking import NullTracker, Tracker
-from ddpexp.train import train
+from ddpexp.rank import distributed, resume, speed
+from ddpexp.rank.signals import StopSignals
+from ddpexp.rank.tracking import NullTracker, Tracker
+from ddpexp.rank.train import train
 
 log = logging.getLogger("ddpexp")
 
@@ -142,4 +142,8 @@ def _environment() -> dict[str, Any]:
             versions[pkg] = version(pkg)
         except PackageNotFoundError:
             versions[pkg] = None
-    return {"versions": versions, "git_sha": sha or None, "ddpexp_path": os.path.dirname(os.path.abspath(__file__))}
+    return {"versions": versions, "git_sha": sha or None, "ddpexp_path": _package_dir()}
+
+
+def _package_dir() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this file is in ddpexp/rank/

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 
@@ -23,17 +22,3 @@ def render(cfg: Any, job: Any, launcher: Any) -> str:
     if p.get("script"):
         lines += ["  sbatch script:", *("    " + line for line in p["script"].splitlines())]
     return "\n".join(lines)
-
-
-def this_command(job: Any) -> str:
-    return " ".join([sys.executable, "-m", "ddpexp", *job.command])
-
-
-def local_ranks(cfg: Any, node_rank: Any, world_size: Any, master: tuple[str, str]) -> list[dict[str, str]]:
-    """env:// per local rank; `node_rank` and `world_size` may be formulas when known only at rendezvous."""
-    ranks = []
-    for local in range(cfg.gpus):
-        rank = str(local) if node_rank == 0 else f"{node_rank}*{cfg.gpus}+{local}"
-        ranks.append({"RANK": rank, "LOCAL_RANK": str(local), "WORLD_SIZE": str(world_size),
-                      "LOCAL_WORLD_SIZE": str(cfg.gpus), "MASTER_ADDR": master[0], "MASTER_PORT": master[1]})  # fmt: skip
-    return ranks

@@ -13,10 +13,9 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from ddpexp.command import Command
+from ddpexp.cli.command import Command
+from ddpexp.cli.errors import HERE
 from ddpexp.exceptions import CommandError
-
-HERE = os.path.dirname(__file__)  # ddpexp's code: an error raised there is the job's, not the command line's
 
 
 @contextmanager
@@ -41,7 +40,7 @@ def installed(cmd: Command, cli: bool) -> Iterator[None]:
         stack.enter_context(_patched(Plugins, "instantiate_sweeper", _sweeper_guard(cmd, Plugins.instantiate_sweeper)))
         stack.enter_context(_patched(Hydra, "format_config_groups", _without_schemas(Hydra.format_config_groups)))
         if cli:
-            from ddpexp.errors import report
+            from ddpexp.cli.errors import report
 
             run_and_report = hydra_utils.run_and_report
             # Hydra prints a multi-line message and stack frames for every error; ddpexp's bad input is one line.
@@ -69,7 +68,7 @@ def _record_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., A
     when the job then does not start (refused, already completed, plan=true), the record it found there is put
     back as it was, and a job dir that this command created for nothing is removed. A sweep's job that already
     completed in its dir with the same config is not run again."""
-    from ddpexp.sweep import completed_job, job_dir_of, read_files
+    from ddpexp.parent.sweep import completed_job, job_dir_of, read_files
 
     def _guarded_run_job(**kwargs: Any) -> Any:
         config, subdir_key = kwargs["config"], kwargs.get("job_subdir_key")
@@ -127,7 +126,7 @@ def _sweeper_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., 
     """The basic sweeper rewrites the sweep dir's multirun.yaml first thing: put it back if no job then ran. Its
     class is re-created when Hydra scans its plugins, so the sweeper is wrapped as Hydra makes it. A plan of a
     search whose trials depend on earlier results is refused here, before the search begins."""
-    from ddpexp.objective import needs_each_value
+    from ddpexp.parent.objective import needs_each_value
 
     def _instantiate_sweeper(self: Any, **kwargs: Any) -> Any:
         config = kwargs["config"]
@@ -192,7 +191,7 @@ def _one_line_parser(make_parser: Callable[[], Any]) -> Callable[[], Any]:
 def _one_line_run(run_hydra: Callable[..., Any]) -> Callable[..., Any]:
     """What hydra.main's `_run_hydra` raises outside run_and_report (--help/--info composing a bad override, `=3`)
     as one line, exit 2."""
-    from ddpexp.errors import bad_override, config_message, is_config_error
+    from ddpexp.cli.errors import bad_override, config_message, is_config_error
 
     def _run_hydra_one_line(**kwargs: Any) -> Any:
         bad = bad_override(getattr(kwargs.get("args"), "overrides", None) or [])
@@ -212,7 +211,7 @@ def _one_line_run(run_hydra: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def cli_exit(message: str) -> Any:
-    from ddpexp.errors import CONFIG_EXIT
+    from ddpexp.cli.errors import CONFIG_EXIT
 
     print(f"ddpexp: error: {message}", file=sys.stderr)
     sys.exit(CONFIG_EXIT)

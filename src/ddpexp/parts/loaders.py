@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import DistributedSampler
 
-from ddpexp.inmemory import batchable
+from ddpexp.parts.inmemory import batchable
 
 
 class TrainLoader:

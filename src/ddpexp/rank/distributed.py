@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpexp.faults import REQUEUE, STOP
+from ddpexp.rank.signals import REQUEUE, STOP
 
 
 def init(device: torch.device, timeout_s: float) -> Any:

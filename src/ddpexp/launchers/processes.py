@@ -1,17 +1,16 @@
-"""Ranks never outlive the command that started them."""
+"""The parent's side of the ranks' processes, for the launchers that start them here: ranks never outlive the
+command that started them, leave the terminal's process group, and get the user's first Ctrl-C/SIGTERM once, from
+the command (forward_signals). The ranks' side of a stop (a flag read at a step boundary) is rank/signals.py."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import multiprocessing
 import os
 import signal
 import sys
-import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 
 def die_with_parent() -> None:
@@ -51,36 +50,6 @@ def stop_signals_blocked() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-STOP, REQUEUE = 1, 2  # stop reasons: a requeue wins over a plain stop when ranks were told both
-
-
-class StopSignals:
-    """SIGINT/SIGTERM (and the scheduler's requeue signal) only set a flag, read by the loop at a step boundary,
-    where the ranks agree, checkpoint once and exit. A second signal exits at once."""
-
-    def __init__(self, requeue_signal: str | None = None):
-        self.reason, self.signame = 0, ""
-        self.requeue = getattr(signal, f"SIG{requeue_signal}") if requeue_signal else None
-        sigs = {signal.SIGINT, signal.SIGTERM} | ({self.requeue} if self.requeue else set())
-        self.previous = {}
-        for sig in sigs:
-            if signal.getsignal(sig) is signal.SIG_IGN and sig == signal.SIGINT:
-                continue  # started with SIGINT ignored (nohup, `cmd &`): keep it so
-            self.previous[sig] = signal.signal(sig, self._handle)
-        # A rank started with them blocked (stop_signals_blocked) takes one that came meanwhile now.
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.reason:
-            os._exit(128 + signum)
-        self.reason = REQUEUE if signum == self.requeue else STOP
-        self.signame = signal.Signals(signum).name
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
 
 
 class forward_signals:  # noqa: N801 - used as a context manager
@@ -129,26 +98,3 @@ def terminate(pids: list[int], signum: int = signal.SIGTERM) -> None:
             os.kill(pid, signum)
         except ProcessLookupError:
             pass
-
-
-class DebugFaults:
-    """Test-only faults (`debug.*`), fired after an optimizer step; kill and hang only in a run not resumed."""
-
-    def __init__(self, cfg: Any, rank: int, resumed: bool):
-        self.cfg, self.mine, self.resumed = cfg, rank == cfg.fail_rank, resumed
-
-    def after_step(self, step: int) -> None:
-        if self.cfg.step_delay_s:
-            time.sleep(self.cfg.step_delay_s)
-        if not self.mine:
-            return
-        if self.cfg.fail_at_step == step:
-            raise RuntimeError(f"debug.fail_at_step={step}: rank {self.cfg.fail_rank} fails on purpose")
-        if self.cfg.kill_at_step == step and not self.resumed:
-            os.kill(os.getpid(), signal.SIGKILL)
-        if self.cfg.hang_at_step == step and not self.resumed:
-            logging.getLogger("ddpexp").warning(
-                "debug.hang_at_step=%d: rank %d hangs on purpose", step, self.cfg.fail_rank
-            )
-            while True:
-                time.sleep(3600)

@@ -21,17 +21,18 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddpexp import checkpoint, distributed, speed
-from ddpexp.config import Config, ConfigError
-from ddpexp.evaluation import evaluate
-from ddpexp.exceptions import Stopped
-from ddpexp.faults import REQUEUE, DebugFaults
+from ddpexp.config import Config
+from ddpexp.exceptions import ConfigError, Stopped
 from ddpexp.job import Job
-from ddpexp.loaders import train_loader
-from ddpexp.meter import Meter
-from ddpexp.optim import build_optimizer, call_accepting
-from ddpexp.resume import Checkpointer, Position, Resumed, restore
-from ddpexp.tasks import check_loss, samples, to_device
+from ddpexp.parts.loaders import train_loader
+from ddpexp.parts.optim import build_optimizer, call_accepting
+from ddpexp.parts.tasks import check_loss, samples, to_device
+from ddpexp.rank import checkpoint, distributed, speed
+from ddpexp.rank.debug import DebugFaults
+from ddpexp.rank.evaluation import evaluate
+from ddpexp.rank.meter import Meter
+from ddpexp.rank.resume import Checkpointer, Position, Resumed, restore
+from ddpexp.rank.signals import REQUEUE
 
 log = logging.getLogger("ddpexp")
 

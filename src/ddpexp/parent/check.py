@@ -11,8 +11,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ddpexp import data
-from ddpexp.config import Config, ConfigError, check, is_number
+from ddpexp.config import Config, check, is_number
+from ddpexp.exceptions import ConfigError
+from ddpexp.parts import data
 
 DRY_STEPS = 3  # scheduler steps taken: a StepLR with step_size=0 fails on its first
 GROUPS = ("model", "data", "task", "optimizer", "scheduler")
@@ -23,8 +24,8 @@ def components(cfg: Config) -> None:
     import torch
     from hydra.utils import instantiate
 
-    from ddpexp.optim import call_accepting
-    from ddpexp.tasks import check_interface
+    from ddpexp.parts.optim import call_accepting
+    from ddpexp.parts.tasks import check_interface
 
     for group in GROUPS:
         if getattr(cfg, group):
@@ -69,8 +70,8 @@ def _model_and_task(cfg: Config, task: Any, task_name: str, facts: dict[str, Any
     metrics; `objective` checked against the metrics' names. Returns the model."""
     from hydra.utils import instantiate
 
-    from ddpexp.optim import call_accepting
-    from ddpexp.tasks import check_loss, check_metrics, finalize
+    from ddpexp.parts.optim import call_accepting
+    from ddpexp.parts.tasks import check_loss, check_metrics, finalize
 
     name = f"model={_call(cfg.model)}"
     model = _build(name, lambda: call_accepting(instantiate(cfg.model, _partial_=True), **facts))
@@ -109,7 +110,7 @@ def _on_meta(what: str, run: Callable[[], Any]) -> Any:
 
 
 def _builtin(name: str) -> type:
-    from ddpexp import tasks
+    from ddpexp.parts import tasks
 
     return getattr(tasks, name)
 

@@ -1,14 +1,15 @@
-"""The parent's side of one job: typed config, job dir, device checks, data preparation, then the launcher."""
+"""The parent's side of one job: typed config, job dir, device checks, data preparation, then the launcher's
+handle, waited on (or, for a scheduler's jobs in a sweep, kept to wait on once every job is submitted)."""
 
 from __future__ import annotations
 
 import glob
-import hashlib
 import logging
 import os
 import shlex
 import sys
 import time
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -17,16 +18,19 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ddpexp import check, data, sweep
-from ddpexp.config import Config, ConfigError
+from ddpexp.config import Config
+from ddpexp.exceptions import ConfigError, Interrupted, RankFailure
 from ddpexp.job import Job, read_json, write_json
-from ddpexp.launchers import Interrupted, RankFailure, resolve_local, tail
-from ddpexp.objective import needs_each_value
-from ddpexp.plan import render as render_plan
-from ddpexp.schema import FREE, closest_key, unknown_keys
+from ddpexp.launchers.base import Handle, tail
+from ddpexp.parent import check
+from ddpexp.parent.objective import needs_each_value
+from ddpexp.parent.plan import render as render_plan
+from ddpexp.parent.resume_decision import check_resume, config_sha256
+from ddpexp.parent.schema import FREE, closest_key, unknown_keys
+from ddpexp.parts import data
 
 if TYPE_CHECKING:  # the command calls run(); the type only, no import circle
-    from ddpexp.command import Command
+    from ddpexp.cli.command import Command
 
 log = logging.getLogger("ddpexp")
 
@@ -35,12 +39,10 @@ def run(dcfg: DictConfig, cmd: Command) -> float | None:
     """One experiment, a full DDP run, for the command `cmd` (Command.task is Hydra's task function). Returns the
     final `objective`."""
     start = time.time()
+    launcher = find_launcher(dcfg)
     cfg = to_config(dcfg)
     config = OmegaConf.to_container(dcfg, resolve=True)
-    launch = launch_function(cfg.launcher._target_)
-    launcher = sys.modules[launch.__module__]
-    # Pins device and gpus, checks hosts, asks Slurm (ddpexp.launchers); a launcher without one starts ranks here.
-    getattr(launcher, "resolve", resolve_local)(cfg)
+    launcher.resolve(cfg)  # pins device and gpus, checks hosts, asks Slurm (launchers/base.py)
     config.update(gpus=cfg.gpus, device=cfg.device)  # type: ignore[union-attr]
     if "root" in cfg.data:
         cfg.data["root"] = config["data"]["root"] = os.path.abspath(cfg.data["root"])  # type: ignore[index]
@@ -55,22 +57,44 @@ def run(dcfg: DictConfig, cmd: Command) -> float | None:
     data.prepare(cfg.data)
     check.components(cfg)
 
-    from ddpexp import worker  # torch and the training stack, only once the config is known to be good
+    from ddpexp.rank import worker  # torch and the training stack, only once the config is known to be good
 
     cmd.launched.add(job.dir)  # from here on, .hydra/ records this attempt
     try:
-        waiter = launch(worker.main, cfg, job)
+        handle = launch_function(cfg.launcher._target_)(worker.main, cfg, job)
     except RankFailure as e:
         raise record_failure(job, first_failure(job) or e, time.time() - start) from None
     except BaseException as e:
         record_failure(job, e, time.time() - start)
         raise
-    if waiter is None:
-        return finish(job, start)
-    if HydraConfig.get().mode == RunMode.MULTIRUN and not needs_each_value(HydraConfig.get()):
-        cmd.deferred.append((job, waiter, start))  # submit every job of the sweep before waiting for any
+    if not isinstance(handle, Handle):
+        raise TypeError(f"launcher={job.launcher}: launch() returned {handle!r}, not a Handle (ddpexp.launchers.base)")
+    if handle.queued and HydraConfig.get().mode == RunMode.MULTIRUN and not needs_each_value(HydraConfig.get()):
+        cmd.deferred.append((job, handle, start))  # submit every job of the sweep before waiting for any
         return None
-    return wait(job, waiter, start)
+    return wait(job, handle, start)
+
+
+def find_launcher(dcfg: DictConfig) -> ModuleType:
+    """The module of `launcher=NAME`, checked against the contract (ddpexp.launchers.load). A launcher whose YAML
+    extends no schema (a project's own: `_target_: mypkg.mylaunch.launch` and its keys) is typed here by the
+    module's NameConfig, so its keys are checked as a built-in launcher's are."""
+    from ddpexp.launchers import load
+
+    name = HydraConfig.get().runtime.choices["launcher"]
+    target = str(OmegaConf.select(dcfg, "launcher._target_", default=""))
+    try:
+        module, schema = load(name, target.rpartition(".")[0])
+    except ConfigError:
+        launch_function(target)  # a _target_ that does not import: that line, with the launchers to pick from
+        raise
+    launch_function(target)
+    if OmegaConf.get_type(dcfg, "launcher") is dict:
+        try:
+            dcfg.launcher = OmegaConf.merge(OmegaConf.structured(schema), dcfg.launcher)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"launcher={name}: {str(e).splitlines()[0]} ({schema.__name__})") from None
+    return module
 
 
 def launch_function(target: str) -> Any:
@@ -93,11 +117,15 @@ def launch_function(target: str) -> Any:
     )
 
 
-def wait(job: Job, waiter: Any, start: float) -> float | None:
+def wait(job: Job, handle: Handle, start: float) -> float | None:
+    """Until the job's ranks ended: a failure (or a second Ctrl-C) is recorded in the job's summary.json."""
     try:
-        waiter.wait()
+        handle.wait()
     except RankFailure as e:
         raise record_failure(job, first_failure(job) or e, time.time() - start) from None
+    except BaseException as e:
+        record_failure(job, e, time.time() - start)
+        raise
     return finish(job, start)
 
 
@@ -105,9 +133,9 @@ def wait_deferred(cmd: Command) -> list[str]:
     """After a multirun's submissions: wait for each job; returns the failed ones as "job_dir: error"."""
     failed, deferred = [], cmd.deferred
     while deferred:
-        job, waiter, start = deferred.pop(0)
+        job, handle, start = deferred.pop(0)
         try:
-            wait(job, waiter, start)
+            wait(job, handle, start)
         except RankFailure as e:
             failed.append(f"{job.dir}: {str(e).splitlines()[0]}")
             print(f"ddpexp: error: job {job.dir}: {e}", file=sys.stderr)
@@ -143,116 +171,6 @@ def interrupted_message(job: Job, summary: dict[str, Any]) -> str:
     where_dir = f"hydra.sweep.dir={hc.sweep.dir}" if hc.mode == RunMode.MULTIRUN else f"hydra.run.dir={job.dir}"
     command = shlex.join(["python", "-m", "ddpexp", *again, where_dir])
     return f"interrupted by {summary.get('signal', 'a signal')} {where}, {ckpt}; resume with: {command}"
-
-
-def check_resume(cfg: Config, job: Job, cmd: Command) -> float | None:
-    """Before anything starts: a bad `resume=PATH`, a finished job, or a checkpoint written under a different
-    config (one that changes results) each end here, with one line."""
-    from ddpexp import checkpoint
-
-    own = checkpoint.find_latest(job.checkpoint_dir) if os.path.isdir(job.checkpoint_dir) else None
-    if own is None:
-        done = earlier_record(cfg, job, cmd)
-        if done is not None:
-            return done
-    if cfg.resume == "never":
-        if own is not None:
-            raise ConfigError(
-                f"resume=never but {job.dir} holds checkpoints of an earlier run; "
-                "use resume=auto to continue it, or another hydra.run.dir"
-            )
-        return None
-    source = own or (checkpoint.resolve(cfg.resume) if cfg.resume != "auto" else None)
-    if source is None:
-        return None
-    job.resume_from = None if own else source  # what the ranks start from, unless the job dir has its own by then
-    saved = checkpoint.load(source)["config"]
-    drift = config_drift(yaml.safe_load(saved), yaml.safe_load(job.config_yaml))
-    if drift and not cfg.resume_allow_config_change:
-        raise ConfigError(
-            f"resume: {source} was trained with a different {', '.join(drift)}; "
-            "set resume_allow_config_change=true to resume anyway, or resume=never in a new dir"
-        )
-    summary = read_json(job.summary_path) or {}
-    if own is not None and summary.get("status") == "completed" and saved == job.config_yaml:
-        value = summary.get("final", {}).get(cfg.objective)
-        print(f"ddpexp: {job.dir} already completed ({cfg.objective}={value}); nothing to do")
-        return value
-    if own is not None and cfg.resume not in ("auto", "never"):
-        print(f"ddpexp: resuming from {own}, this job's own newest checkpoint (resume={cfg.resume} only starts a job)")
-    else:
-        print(f"ddpexp: resuming from {source}", flush=True)
-    return None
-
-
-def earlier_record(cfg: Config, job: Job, cmd: Command) -> float | None:
-    """A job dir without checkpoints may still hold an earlier attempt's record (summary.json, metrics.jsonl).
-    Of this very config: completed, there is nothing to do; else it starts over and the record is redone. Of
-    another config (or of none it names): refused, so that no one's results get overwritten or mixed."""
-    summary = read_json(job.summary_path)
-    trained = os.path.isfile(job.metrics_path) and os.path.getsize(job.metrics_path) > 0
-    if summary is None and not trained:
-        return None
-    recorded = {(summary or {}).get("config_sha256"), *(summary or {}).get("config_sha256_per_rank", [])} - {None}
-    # Killed before any summary: Hydra's record of the earlier attempt (.hydra/config.yaml) says which config ran.
-    hydra_dir = os.path.join(job.dir, str(HydraConfig.get().output_subdir))
-    earlier = cmd.earlier_hydra.get(job.dir, {}).get("config.yaml")
-    same_hydra = earlier is not None and earlier == sweep.read_files(hydra_dir).get("config.yaml")
-    if recorded != {job.config_sha256} and not (not recorded and same_hydra):
-        raise ConfigError(
-            f"{job.dir} holds the record of another run (summary.json, metrics.jsonl) and no checkpoint to resume; "
-            "use another hydra.run.dir"
-        )
-    if summary is not None and summary.get("status") == "completed":
-        value = summary.get("final", {}).get(cfg.objective)
-        print(f"ddpexp: {job.dir} already completed ({cfg.objective}={value}); nothing to do")
-        return value
-    return None
-
-
-def config_sha256(config_yaml: str) -> str:
-    return hashlib.sha256(config_yaml.encode()).hexdigest()
-
-
-# What decides the numbers a run produces; a checkpoint resumed under other values would not be "the same run".
-DRIFT_KEYS = ("model", "data", "optimizer", "scheduler", "batch_size", "grad_accum", "seed", "precision",
-              "clip_grad_norm", "world_size")  # fmt: skip
-NOT_DRIFT = ("data.root", "data.download")
-
-
-def config_drift(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """The result-changing keys that differ between two resolved configs (dotted, sorted)."""
-
-    def flat(cfg: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key in DRIFT_KEYS:
-            value = world_size(cfg) if key == "world_size" else cfg.get(key)
-            stack = [(key, value)]
-            while stack:
-                k, v = stack.pop()
-                if isinstance(v, dict) and v:
-                    stack += [(f"{k}.{kk}", vv) for kk, vv in v.items()]
-                elif not k.startswith(NOT_DRIFT):
-                    out[k] = v
-        return out
-
-    a, b = flat(old), flat(new)
-    if a["world_size"] is None or b["world_size"] is None:  # an elastic range: the worker checks the real one
-        del a["world_size"], b["world_size"]
-    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-
-
-def world_size(cfg: dict[str, Any]) -> int | None:
-    """Ranks a resolved config asks for, as its launcher counts them (ddpexp.launchers); None when they are known
-    only at start (an elastic torchrun range) or the launcher does not say."""
-    import importlib
-
-    try:
-        launcher = importlib.import_module(str(cfg.get("launcher", {}).get("_target_", "")).rpartition(".")[0])
-    except (ImportError, ValueError):  # no launcher named, or one that is gone
-        return None
-    count = getattr(launcher, "world_size", None)
-    return count(cfg) if count else None
 
 
 def to_config(dcfg: DictConfig) -> Config:

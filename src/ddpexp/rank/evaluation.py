@@ -9,9 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpexp import distributed
-from ddpexp.loaders import eval_batches
-from ddpexp.tasks import check_metrics, finalize, samples, to_device
+from ddpexp.parts.loaders import eval_batches
+from ddpexp.parts.tasks import check_metrics, finalize, samples, to_device
+from ddpexp.rank import distributed
 
 
 @torch.no_grad()

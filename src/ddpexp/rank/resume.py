@@ -11,10 +11,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpexp import checkpoint, distributed
 from ddpexp.config import Config
 from ddpexp.exceptions import ConfigError
 from ddpexp.job import Job
+from ddpexp.rank import checkpoint, distributed
 
 
 @dataclass

@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from ddpexp.exceptions import ReportError
-from ddpexp.records import (
+from ddpexp.report.records import (
     JobRecord,
     find_jobs,
     fmt,
@@ -170,7 +170,7 @@ def write_md(path: str, r: dict[str, Any], header: list[str], rows: list[list[st
 
 
 def main(argv: list[str]) -> int:
-    from ddpexp import plots
+    from ddpexp.report import plots
 
     parser = _Parser(
         prog="ddpexp report",
@@ -195,7 +195,7 @@ def main(argv: list[str]) -> int:
         write_csv(os.path.join(out_dir, "report.csv"), r)
         write_md(os.path.join(out_dir, "report.md"), r, header, rows, written)
     except OSError as e:
-        from ddpexp.errors import why_not_dir
+        from ddpexp.cli.errors import why_not_dir
 
         print(f"ddpexp: error: {out_dir}: cannot write the report there: {why_not_dir(out_dir, e)}", file=sys.stderr)
         return 2

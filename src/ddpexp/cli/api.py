@@ -10,9 +10,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from ddpexp import hydra_patches, project
-from ddpexp.command import Command
-from ddpexp.errors import CONFIG_EXIT, FAILED_EXIT, RunFailed, bad_override, verdict
+from ddpexp.cli import hydra_patches, project
+from ddpexp.cli.command import Command
+from ddpexp.cli.errors import CONFIG_EXIT, FAILED_EXIT, bad_override, verdict
+from ddpexp.exceptions import RunFailed
 
 # The job name hydra.main gives `ddpexp` and `python -m ddpexp` (after the module): the job's log is __main__.log.
 TASK_NAME = "__main__"
@@ -38,7 +39,7 @@ def run(
     any job of a sweep, failed (its `summaries` hold the jobs' records: a job refused before its ranks started
     has one saying so; None for a job that left none), Interrupted when a signal stopped the job after its checkpoint.
     """
-    from ddpexp.config import ConfigError
+    from ddpexp.exceptions import ConfigError
 
     if isinstance(overrides, (str, bytes)):
         raise ConfigError(f"overrides={overrides!r}: must be a list of KEY=VALUE strings, not one string")
@@ -69,8 +70,8 @@ def _hydra_run(overrides: list[str], multirun: bool, conf: str | None, cmd: Comm
     from hydra.core.config_search_path import SearchPathQuery
     from hydra.types import RunMode
 
-    from ddpexp.config import ConfigError
-    from ddpexp.schema import register_configs
+    from ddpexp.exceptions import ConfigError
+    from ddpexp.parent.schema import register_configs
 
     bad = bad_override(overrides)
     if bad:
@@ -112,7 +113,7 @@ def _records(job_dirs: list[str]) -> list[Summary | None]:
 def python_error(error: BaseException, cmd: Command) -> BaseException:
     """The exception ddpexp.run raises for `error`: the command line's verdict as a typed error (ConfigError for
     exit 2, RunFailed for exit 1); a signal (Interrupted, KeyboardInterrupt) and a bug's own error as they are."""
-    from ddpexp.config import ConfigError
+    from ddpexp.exceptions import ConfigError
 
     found = verdict(error, cmd)
     if found is None or found[0] not in (CONFIG_EXIT, FAILED_EXIT):

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpexp import checkpoint
 from ddpexp.config import Config
 from ddpexp.exceptions import NonFinite
 from ddpexp.job import Job
+from ddpexp.rank import checkpoint
 
 log = logging.getLogger("ddpexp")
 NEVER = 2**62  # Meter.first_bad before any non-finite loss

@@ -1,0 +1,100 @@
+"""The launcher contract (`Launcher`, `Handle`) and what the launchers that start ranks on this machine share.
+
+A launcher is a module with a `NameConfig` dataclass and four functions; the parent calls, in this order:
+`resolve(cfg)` (pin `device` and `gpus`, check what only this machine or the network can tell), `world_size(config)`
+(the ranks a resolved config asks for, or None: known only at start), then `plan(cfg, job)` for plan=true, else
+`launch(worker, cfg, job)`, which starts the ranks with PyTorch's env:// variables, each calling `worker(cfg, job)`,
+and returns a Handle that the parent waits on (submitit's `submit` returns a Job the same way)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+from ddpexp.exceptions import ConfigError
+
+
+@runtime_checkable
+class Handle(Protocol):
+    """A started (or submitted) job. `wait()` returns once its ranks ended, raising RankFailure when one failed,
+    and Interrupted-like signals are handed on by the launcher meanwhile. `queued`: the job runs on a scheduler's
+    resources, so a sweep submits every job before waiting for any; else each job is waited for before the next."""
+
+    queued: bool
+
+    def wait(self) -> None: ...
+
+
+class Launcher(Protocol):
+    """What a launcher module provides (a module satisfies this Protocol: its functions are the methods)."""
+
+    def resolve(self, cfg: Any) -> None: ...
+
+    def world_size(self, config: dict[str, Any]) -> int | None: ...
+
+    def plan(self, cfg: Any, job: Any) -> dict[str, Any]: ...
+
+    def launch(self, worker: Callable[..., None], cfg: Any, job: Any) -> Handle: ...
+
+
+CONTRACT = ("resolve", "world_size", "plan", "launch")
+
+
+class Started:
+    """The Handle of a job whose ranks run in this command's processes: `wait` is the given function (it joins
+    the ranks, or runs them when they can only run in this thread: torchrun's agent, gpus=1 in-process)."""
+
+    queued = False
+
+    def __init__(self, wait: Callable[[], None]):
+        self.wait = wait
+
+
+def tail(text: str, lines: int = 25) -> str:
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def check_resolves(key: str, host: str, shown: str | None = None) -> None:
+    """Refuse an address that does not resolve: the ranks would retry the rendezvous there until its timeout.
+    Called by `resolve`, in the parent only: building a config does no network look-up."""
+    try:
+        socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(f"{key}={shown or host!r}: cannot resolve host {host!r} ({why})") from None
+
+
+def resolve_local(cfg: Any) -> None:
+    """Pin `device` and `gpus` for a launcher that starts ranks on this machine, from the GPUs visible here."""
+    import torch
+
+    visible = torch.cuda.device_count()
+    if cfg.device == "cuda" and visible == 0:
+        raise ConfigError("device=cuda: no CUDA GPU is visible here; use device=cpu (or device=auto)")
+    cfg.device = cfg.device if cfg.device != "auto" else ("cuda" if visible else "cpu")
+    cfg.gpus = cfg.gpus or (visible if cfg.device == "cuda" else 2)
+    if cfg.device == "cuda" and cfg.gpus > visible:
+        raise ConfigError(f"gpus={cfg.gpus}: only {visible} CUDA GPU(s) visible here; use gpus<={visible}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if cfg.device == "cpu" and cfg.gpus > cores:
+        # Each rank then gets one thread (speed.limit_threads), and ranks take turns on the cores: allowed (a
+        # test of many ranks on a laptop), but slower than it looks.
+        print(f"ddpexp: warning: gpus={cfg.gpus} CPU ranks on {cores} core(s) here: the ranks oversubscribe the "
+              f"cores; gpus<={cores} gives each rank a core of its own", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def this_command(job: Any) -> str:
+    return " ".join([sys.executable, "-m", "ddpexp", *job.command])
+
+
+def local_ranks(cfg: Any, node_rank: Any, world_size: Any, master: tuple[str, str]) -> list[dict[str, str]]:
+    """env:// per local rank, for a plan; `node_rank` and `world_size` may be formulas known only at rendezvous."""
+    ranks = []
+    for local in range(cfg.gpus):
+        rank = str(local) if node_rank == 0 else f"{node_rank}*{cfg.gpus}+{local}"
+        ranks.append({"RANK": rank, "LOCAL_RANK": str(local), "WORLD_SIZE": str(world_size),
+                      "LOCAL_WORLD_SIZE": str(cfg.gpus), "MASTER_ADDR": master[0], "MASTER_PORT": master[1]})  # fmt: skip
+    return ranks
