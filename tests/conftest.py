@@ -40,6 +40,18 @@ def run_ddpexp(
     return proc
 
 
+def make_config(*overrides: str) -> Any:
+    """The typed Config the parent builds from ddpexp's conf/ and these overrides (no job runs)."""
+    from hydra import compose, initialize_config_dir
+
+    from ddpexp.parent.launch import to_config
+    from ddpexp.parent.schema import register_configs
+
+    register_configs()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return to_config(compose("config", overrides=list(overrides)))
+
+
 def read_summary(job_dir: Path) -> dict[str, Any]:
     return json.loads((job_dir / "summary.json").read_text())
 

@@ -1,4 +1,4 @@
-"""The parent's dry build (ddpexp.check.components): a model, data, optimizer or scheduler value the ranks could not
+"""The parent's dry build (ddpexp.parent.check.components): a model, data, optimizer or scheduler value the ranks could not
 build or run fails before any rank starts, as one line naming the key; good configs pass in well under a second."""
 
 from __future__ import annotations
@@ -7,22 +7,11 @@ import time
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from conftest import ROOT, run_ddpexp
-from ddpexp.config import Config
+from conftest import make_config, run_ddpexp
 from ddpexp.exceptions import ConfigError
 from ddpexp.parent.check import components
-from ddpexp.parent.launch import to_config
-from ddpexp.parent.schema import register_configs
 from ddpexp.parts.data import Splits
-
-
-def make_config(*overrides: str) -> Config:
-    register_configs()
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return to_config(compose("config", overrides=list(overrides)))
-
 
 # (overrides, what the one line starts with). Before the dry build, each was a rank traceback (exit 1) or a run
 # that "completed" without training.

@@ -7,27 +7,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from conftest import ROOT, ddpexp_env, run_ddpexp
+from conftest import ROOT, ddpexp_env, make_config, run_ddpexp
 from ddpexp.config import Config
 from ddpexp.exceptions import ConfigError
 from ddpexp.launchers import launcher_schemas
-from ddpexp.parent.launch import to_config
-from ddpexp.parent.schema import register_configs
 
 CONF = ROOT / "conf"
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml")) if not f.stem.startswith("base_")]
-
-
-def make_config(*overrides: str) -> Config:
-    register_configs()
-    with initialize_config_dir(str(CONF), version_base="1.3"):
-        dcfg = compose("config", overrides=list(overrides))
-    return to_config(dcfg)
 
 
 def test_groups_present() -> None:

@@ -1,5 +1,6 @@
-"""The package's import graph has no circle: every `import ddpexp.x` / `from ddpexp... import` in src/ddpexp, at
-module level or inside a function (a lazy import is still a dependency), except those under TYPE_CHECKING."""
+"""The package's import graph: no circle, and each layer imports only the layers below it (docs/architecture.md).
+Every `import ddpexp.x` / `from ddpexp... import` in src/ddpexp counts, at module level or inside a function (a lazy
+import is still a dependency), except those under TYPE_CHECKING."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def circle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_import_graph_has_no_circle() -> None:
     edges = graph()
-    assert len(edges) > 30 and "ddpexp.config" in edges["ddpexp.train"]  # the walk sees the package
+    assert len(edges) > 30 and "ddpexp.config" in edges["ddpexp.rank.train"]  # the walk sees the package
     assert circle(edges) is None, " -> ".join(circle(edges) or [])
 
 
@@ -79,3 +80,68 @@ def test_a_circle_would_be_found() -> None:
 
 def test_config_imports_nothing_that_runs() -> None:
     assert graph()["ddpexp.config"] == {"ddpexp.exceptions"}
+
+
+SHARED = ("ddpexp.config", "ddpexp.exceptions", "ddpexp.job")  # imported by every layer; they import no package
+PUBLIC = ("ddpexp.data", "ddpexp.models", "ddpexp.tasks", "ddpexp.optim")  # the documented paths of parts/
+# Which layer may import which. The parent hands the ranks' worker to the launcher and reads checkpoints for its
+# resume decision (parent -> rank); launchers get the worker as an argument and import no layer; parts import no
+# tracker, nor anything of the ranks' side; `testing` is the launcher contract suite, run by a launcher's author.
+ALLOWED = {
+    "__main__": {"cli"},
+    "public": {"parts"},
+    "cli": {"cli", "parent", "report"},
+    "parent": {"parent", "launchers", "rank", "parts"},
+    "launchers": {"launchers"},
+    "rank": {"rank", "parts"},
+    "parts": {"parts"},
+    "report": {"report"},
+    "shared": {"shared"},
+    "bench": {"bench", "rank", "parts"},
+    "testing": {"cli", "launchers"},
+}
+
+
+def layer(module: str) -> str:
+    if module in SHARED:
+        return "shared"
+    if module in PUBLIC:
+        return "public"
+    return module.split(".")[1] if "." in module else "__init__"
+
+
+def violations(edges: dict[str, set[str]]) -> list[str]:
+    """Each import a layer may not make, as "importer -> imported"."""
+    bad = []
+    for module, deps in sorted(edges.items()):
+        allowed = ALLOWED[layer(module)] | {"shared"}
+        bad += [f"{module} -> {dep}" for dep in sorted(deps) if layer(dep) not in allowed]
+    return bad
+
+
+def test_each_layer_imports_only_the_layers_below_it() -> None:
+    edges = graph()
+    del edges["ddpexp"]  # the package's __init__: its public names are imported by name on first use
+    assert {layer(m) for m in edges} == set(ALLOWED) - {"testing"}  # every module is in a layer the rules know
+    assert violations(edges) == []
+
+
+def test_a_broken_layer_rule_would_be_found() -> None:
+    edges = {
+        "ddpexp.rank.worker": {"ddpexp.cli.api", "ddpexp.parts.data"},  # the ranks' side reaching up
+        "ddpexp.launchers.spawn": {"ddpexp.rank.worker"},  # a launcher naming the worker
+        "ddpexp.parts.data": {"ddpexp.rank.tracking"},  # a part logging on its own
+        "ddpexp.config": {"ddpexp.launchers"},  # a shared module importing a package
+        "ddpexp.parent.launch": {"ddpexp.rank.worker", "ddpexp.config"},  # allowed
+    }
+    assert violations(edges) == [
+        "ddpexp.config -> ddpexp.launchers",
+        "ddpexp.launchers.spawn -> ddpexp.rank.worker",
+        "ddpexp.parts.data -> ddpexp.rank.tracking",
+        "ddpexp.rank.worker -> ddpexp.cli.api",
+    ]
+
+
+def test_shared_modules_import_no_package() -> None:
+    edges = graph()
+    assert {d for m in SHARED for d in edges[m]} <= set(SHARED)

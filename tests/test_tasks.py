@@ -13,30 +13,22 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from hydra import compose, initialize_config_dir
 
 from conftest import (
     ROOT,
     assert_same_run,
     check_wandb_matches_record,
     load_weights,
+    make_config,
     read_metrics,
     read_summary,
     run_ddpexp,
 )
 from ddpexp.exceptions import ConfigError
 from ddpexp.parent.check import components
-from ddpexp.parent.launch import to_config
-from ddpexp.parent.schema import register_configs
 
 USER_TASK = ["~task.top_k", "~task.label_smoothing"]  # task=classification's keys, which a user's task does not take
 TESTS_ON_PATH = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}
-
-
-def make_config(*overrides: str):  # type: ignore[no-untyped-def]
-    register_configs()
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        return to_config(compose("config", overrides=list(overrides)))
 
 
 BAD = [

@@ -1,5 +1,6 @@
 """What a launcher and the worker know of the job: its directory, its name in a sweep, the resolved config, and
-what the launcher tells the ranks about itself (restarts, a requeue hook, facts for the run record)."""
+what the launcher tells the ranks about itself (restarts, a requeue hook, facts for the run record); and the strict
+JSON and folder helpers every layer's records use."""
 
 from __future__ import annotations
 
@@ -75,3 +76,19 @@ def read_json(path: str) -> dict[str, Any] | None:
             return json.load(f)
     except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):  # a path under a file: none either
         return None
+
+
+def why_not_dir(path: str, error: OSError) -> str:
+    """Why a folder could not be made or written: the file in its way, else the OS's words (and the path that
+    failed, when it is not `path` itself)."""
+    if isinstance(error, (FileExistsError, NotADirectoryError)):
+        parents = [path]
+        while os.path.dirname(parents[-1]) != parents[-1]:
+            parents.append(os.path.dirname(parents[-1]))
+        in_the_way = next((p for p in parents if os.path.exists(p) and not os.path.isdir(p)), None)
+        if in_the_way:
+            return f"{in_the_way} is a file"
+    why = error.strerror or str(error)
+    if error.filename and os.path.abspath(str(error.filename)) != path:
+        why += f" ({error.filename})"
+    return why

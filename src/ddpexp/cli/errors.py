@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpexp.exceptions import CommandError
+from ddpexp.job import why_not_dir
 
 CONFIG_EXIT, FAILED_EXIT, INTERRUPTED_EXIT = 2, 1, 130
 # ddpexp's package (this file is in cli/): an error raised in its code is the job's, not the command line's
@@ -136,22 +137,6 @@ def job_dir_error(error: BaseException) -> str | None:
         kind = "sweep dir" if code.co_name != "run_job" else "run dir"
         return f"cannot create {kind} {path}: {why_not_dir(path, cause)}"
     return None
-
-
-def why_not_dir(path: str, error: OSError) -> str:
-    """Why a folder could not be made or written: the file in its way, else the OS's words (and the path that
-    failed, when it is not `path` itself)."""
-    if isinstance(error, (FileExistsError, NotADirectoryError)):
-        parents = [path]
-        while os.path.dirname(parents[-1]) != parents[-1]:
-            parents.append(os.path.dirname(parents[-1]))
-        in_the_way = next((p for p in parents if os.path.exists(p) and not os.path.isdir(p)), None)
-        if in_the_way:
-            return f"{in_the_way} is a file"
-    why = error.strerror or str(error)
-    if error.filename and os.path.abspath(str(error.filename)) != path:
-        why += f" ({error.filename})"
-    return why
 
 
 def bad_override(overrides: list[str]) -> str | None:

@@ -4,6 +4,7 @@ handle, waited on (or, for a scheduler's jobs in a sweep, kept to wait on once e
 from __future__ import annotations
 
 import glob
+import importlib
 import logging
 import os
 import shlex
@@ -84,23 +85,24 @@ def find_launcher(dcfg: DictConfig) -> ModuleType:
     name = HydraConfig.get().runtime.choices["launcher"]
     target = str(OmegaConf.select(dcfg, "launcher._target_", default=""))
     try:
-        module, schema = load(name, target.rpartition(".")[0])
-    except ConfigError:
-        launch_function(target)  # a _target_ that does not import: that line, with the launchers to pick from
-        raise
+        importlib.import_module(target.rpartition(".")[0])
+    except (ImportError, ValueError):  # ValueError: no module named at all
+        launch_function(target)  # that line, with the launchers to pick from
+    module, schema = load(name, target.rpartition(".")[0])
     launch_function(target)
     if OmegaConf.get_type(dcfg, "launcher") is dict:
         try:
             dcfg.launcher = OmegaConf.merge(OmegaConf.structured(schema), dcfg.launcher)
-        except OmegaConfBaseException as e:
+        except OmegaConfBaseException as e:  # a key the dataclass lacks (added with +), or a value of the wrong type
+            key = f"launcher.{getattr(e, 'key', None)}"
+            if "not in" in str(e):
+                raise ConfigError(f"+{key}: no such key{closest_key(key, schema)} ({schema.__name__})") from None
             raise ConfigError(f"launcher={name}: {str(e).splitlines()[0]} ({schema.__name__})") from None
     return module
 
 
 def launch_function(target: str) -> Any:
     """`launcher._target_`'s function: one that does not import is bad input, not a traceback."""
-    import importlib
-
     module, _, name = target.rpartition(".")
     try:  # not hydra.utils.get_method: it logs the failure at ERROR level, over several lines, before raising
         function = getattr(importlib.import_module(module), name)

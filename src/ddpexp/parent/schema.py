@@ -11,19 +11,22 @@ from typing import Any
 from ddpexp.config import Config, DDPConfig, DebugConfig, WandbConfig
 from ddpexp.launchers import launcher_schemas
 
-# Groups whose keys are their _target_'s arguments (checked against its signature by ddpexp.check): `+` adds here.
+# Groups whose keys are their _target_'s arguments (checked against its signature by ddpexp.parent.check): `+` adds here.
 FREE = ("model", "data", "task", "optimizer", "scheduler")
 SECTIONS = {"wandb": WandbConfig, "ddp": DDPConfig, "debug": DebugConfig}
 
 
 def register_configs() -> None:
-    """Put the schemas in Hydra's ConfigStore: `base_config` for the root, `launcher/base_<name>` per launcher."""
+    """Put the schemas in Hydra's ConfigStore: `base_config` for the root, `launcher/base_<name>` per launcher (and
+    `launcher/<name>` itself for a launcher an installed package brings, with no YAML of ddpexp's)."""
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for name, schema in launcher_schemas().items():
         cs.store(group="launcher", name=f"base_{name}", node=schema)
+        if not schema.__module__.startswith("ddpexp.launchers."):  # an installed package's: `launcher=NAME`, no YAML
+            cs.store(group="launcher", name=name, node=schema)
 
 
 def unknown_keys(container: dict[str, Any], launcher: type) -> list[str]:

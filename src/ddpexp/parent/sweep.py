@@ -1,4 +1,4 @@
-"""Job-dir bookkeeping for the guard around Hydra's `run_job` (ddpexp.hydra_patches): a job's dir as Hydra names it,
+"""Job-dir bookkeeping for the guard around Hydra's `run_job` (ddpexp.cli.hydra_patches): a job's dir as Hydra names it,
 its .hydra/ files, and whether it completed there already with the same config (a sweep run again into the same
 sweep dir skips those jobs, their files untouched, and runs the rest, which resume from their own checkpoints)."""
 

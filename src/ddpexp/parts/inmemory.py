@@ -1,5 +1,5 @@
 """The in-memory data path's datasets: a dataset that fits in RAM is decoded once into one uint8 tensor (cached as a
-.pt file under data.root), kept whole on the training device and batched by index slicing (ddpexp.loaders), with
+.pt file under data.root), kept whole on the training device and batched by index slicing (parts/loaders.py), with
 augmentation (random crop with padding, flip) done per batch on the device."""
 
 from __future__ import annotations

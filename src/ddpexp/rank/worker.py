@@ -1,6 +1,6 @@
 """One rank of a job: every launcher starts ranks with env:// variables and calls `main(cfg, job)` in each.
 
-The worker owns the process around the loop (ddpexp.train): logging, device, threads, the process group, the
+The worker owns the process around the loop (rank/train.py): logging, device, threads, the process group, the
 checkpoint to resume from, the tracker, the run record and cleanup. It reads RANK / LOCAL_RANK / WORLD_SIZE /
 LOCAL_WORLD_SIZE; what a launcher adds (restarts, a requeue hook) comes in the Job.
 """

@@ -195,7 +195,7 @@ def main(argv: list[str]) -> int:
         write_csv(os.path.join(out_dir, "report.csv"), r)
         write_md(os.path.join(out_dir, "report.md"), r, header, rows, written)
     except OSError as e:
-        from ddpexp.cli.errors import why_not_dir
+        from ddpexp.job import why_not_dir
 
         print(f"ddpexp: error: {out_dir}: cannot write the report there: {why_not_dir(out_dir, e)}", file=sys.stderr)
         return 2

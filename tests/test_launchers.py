@@ -1,0 +1,137 @@
+"""The launcher contract (ddpexp.testing.LauncherContract) on every launcher ddpexp finds, on a user project's own
+launcher (examples/myproject: launcher=nice, which wraps spawn) and on one an installed package brings through the
+`ddpexp.launchers` entry points; a module that breaks the contract is refused in one line naming what it lacks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, ddpexp_env, read_summary, run_ddpexp
+from ddpexp.launchers import launcher_modules
+from ddpexp.testing import LauncherContract
+
+EXAMPLE = ROOT / "examples" / "myproject"
+
+
+def contract_for(name: str, module: str) -> type:
+    """A LauncherContract subclass for one of ddpexp's launchers, found as ddpexp finds them (not a fixed list)."""
+    attrs: dict[str, object] = {"launcher": name, "module": module, "overrides": ("device=cpu",)}
+    if name == "slurm":  # on the local test cluster (tests/slurm/cluster.sh)
+        attrs["launcher_env"] = pytest.fixture(lambda self, slurm: {**ddpexp_env(), **slurm})
+        attrs["overrides"] = ("device=cpu", "launcher.poll_interval_s=0.5")
+        attrs["pytestmark"] = [pytest.mark.slurm, pytest.mark.slow]
+    else:
+        attrs["launcher_env"] = pytest.fixture(lambda self: ddpexp_env())
+        attrs["pytestmark"] = [pytest.mark.slow]
+    return type(f"TestContract{name.title()}", (LauncherContract,), attrs)
+
+
+for _name, _module in launcher_modules().items():
+    globals()[f"TestContract{_name.title()}"] = contract_for(_name, _module)
+
+
+def test_every_launcher_module_is_under_contract() -> None:
+    assert {"spawn", "torchrun", "slurm"} <= set(launcher_modules())
+    assert all(f"TestContract{n.title()}" in globals() for n in launcher_modules())
+
+
+@pytest.mark.slow
+class TestProjectLauncher(LauncherContract):
+    """A launcher in the user's own project (conf/launcher/nice.yaml names myproject.launcher.launch)."""
+
+    launcher, module, config_dir = "nice", "myproject.launcher", str(EXAMPLE / "conf")
+
+    @pytest.fixture
+    def launcher_env(self) -> dict[str, str]:
+        return ddpexp_env()  # the command puts the project on its path; this process imports it for the module check
+
+    @pytest.fixture(autouse=True)
+    def _importable_here(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.syspath_prepend(str(EXAMPLE))
+
+    def test_its_ranks_run_niced_and_the_record_says_so(self, tmp_path: Path, launcher_env: dict[str, str]) -> None:
+        proc = self.ddpexp(tmp_path, launcher_env, "hydra.run.dir=job", "launcher.niceness=7")
+        assert proc.returncode == 0, proc.stderr
+        summary = read_summary(tmp_path / "job")
+        assert summary["launcher"] == "nice" and summary["niceness"] == 7 and summary["world_size"] == 2
+        proc = self.ddpexp(tmp_path, launcher_env, "launcher.niceness=30")
+        assert (proc.returncode, proc.stderr) == (2, "ddpexp: error: launcher.niceness=30: must be 0..19\n")
+        proc = self.ddpexp(tmp_path, launcher_env, "+launcher.nicenes=3")
+        assert proc.returncode == 2 and proc.stderr == (
+            "ddpexp: error: +launcher.nicenes: no such key (did you mean launcher.niceness?) (NiceConfig)\n"
+        )
+
+
+BROKEN = {
+    # (module source, what the one line says it lacks)
+    "nolaunch": ("from ddpexp.launchers.spawn import plan, resolve, world_size, SpawnConfig as NolaunchConfig\n",
+                 "it lacks launch()"),
+    "noschema": ("from ddpexp.launchers.spawn import launch, plan, resolve, world_size\n",
+                 "it lacks a NoschemaConfig dataclass"),
+    "bare": ("", "it lacks resolve(), world_size(), plan(), launch(), a BareConfig dataclass"),
+}  # fmt: skip
+
+
+def test_a_launcher_that_breaks_the_contract_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "conf" / "launcher").mkdir(parents=True)
+    for name, (source, lacks) in BROKEN.items():
+        (tmp_path / f"broken_{name}.py").write_text(source)
+        (tmp_path / "conf" / "launcher" / f"{name}.yaml").write_text(f"_target_: broken_{name}.launch\n")
+        proc = run_ddpexp(f"launcher={name}", "hydra.run.dir=job", cwd=tmp_path, check=False, timeout=60)
+        assert proc.returncode == 2 and proc.stderr == (
+            f"ddpexp: error: launcher={name}: broken_{name} is not a ddpexp launcher: {lacks} "
+            "(the contract: ddpexp.launchers.base.Launcher)\n"
+        ), proc.stderr
+        assert not (tmp_path / "job").exists()  # refused before the job: no job dir left
+
+
+PLUGIN = '''
+"""An installed launcher: spawn's, under its own name."""
+from dataclasses import dataclass
+from ddpexp.launchers import spawn
+
+@dataclass
+class LocalpairConfig(spawn.SpawnConfig):
+    _target_: str = "pairlaunch.launch"
+
+resolve, world_size, plan, launch = spawn.resolve, spawn.world_size, spawn.plan, spawn.launch
+'''
+
+SETUP = """
+[project]
+name = "pairlaunch"
+version = "0.1"
+[project.entry-points."ddpexp.launchers"]
+localpair = "pairlaunch"
+"""
+
+
+@pytest.mark.slow
+def test_an_installed_launcher_is_found_by_its_entry_point(tmp_path: Path) -> None:
+    """A real install (pip, into a folder of its own) of a package that declares a `ddpexp.launchers` entry point:
+    `launcher=localpair` runs with no YAML anywhere, through the same contract, and the contract suite passes."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "pairlaunch.py").write_text(PLUGIN)
+    (src / "pyproject.toml").write_text(SETUP)
+    site = tmp_path / "site"
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(site)]
+    subprocess.run([*pip, str(src)], check=True, capture_output=True, timeout=120)
+    shutil.rmtree(src)  # only the installed copy is left
+    env = {**ddpexp_env(), "PYTHONPATH": os.pathsep.join([str(site), *ddpexp_env().get("PYTHONPATH", "").split(os.pathsep)])}
+    suite = tmp_path / "test_localpair.py"
+    suite.write_text(
+        "import os\nimport pytest\nfrom ddpexp.testing import LauncherContract\n\n"
+        "class TestLocalpair(LauncherContract):\n    launcher, module = 'localpair', 'pairlaunch'\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(suite), "-k", "contract or plan or runs"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "3 passed" in proc.stdout, proc.stdout[-3000:]
