@@ -3,7 +3,6 @@ build or run fails before any rank starts, as one line naming the key; good conf
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -76,9 +75,5 @@ GOOD = [
 
 
 @pytest.mark.parametrize("args", GOOD, ids=[" ".join(a) for a in GOOD])
-def test_good_components_pass_quickly(args: list[str]) -> None:
-    cfg = make_config(*args)
-    components(cfg)  # imports (torchvision's first) are not the dry build's cost
-    start = time.perf_counter()
-    components(cfg)
-    assert time.perf_counter() - start < 1.0
+def test_good_components_pass(args: list[str]) -> None:
+    components(make_config(*args))  # raises ConfigError on any part it refuses

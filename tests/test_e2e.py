@@ -200,17 +200,14 @@ def test_a_failing_rank_fails_the_command_with_its_traceback(tmp_path: Path, lau
 
 def test_wandb_online_without_network_falls_back_to_offline(tmp_path: Path) -> None:
     """An API key but no reachable server: warn, keep the run offline, finish training."""
-    import time
-
     env_key = "0" * 40
-    begin = time.time()
+    # wandb.init alone would wait ~100 s without wandb.init_timeout_s: past this process's hard timeout.
     proc = subprocess.run(
         [sys.executable, "-m", "ddpexp", "gpus=1", "max_steps=3", "wandb.init_timeout_s=5", "hydra.run.dir=job"],
-        cwd=tmp_path, env={**ddpexp_env(), "WANDB_API_KEY": env_key}, capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env={**ddpexp_env(), "WANDB_API_KEY": env_key}, capture_output=True, text=True, timeout=80,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "W&B online init failed" in proc.stdout + proc.stderr
-    assert time.time() - begin < 60  # wandb.init alone would wait ~100 s without wandb.init_timeout_s
     summary = read_summary(tmp_path / "job")
     assert summary["status"] == "completed" and summary["wandb"]["mode"] == "offline"
     assert read_offline_run(Path(summary["wandb"]["dir"]))["summary"]["val/acc"] == summary["final"]["val/acc"]

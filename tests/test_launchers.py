@@ -121,10 +121,23 @@ def test_an_installed_launcher_is_found_by_its_entry_point(tmp_path: Path) -> No
     (src / "pairlaunch.py").write_text(PLUGIN)
     (src / "pyproject.toml").write_text(SETUP)
     site = tmp_path / "site"
-    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(site)]
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--no-build-isolation",
+        "--target",
+        str(site),
+    ]
     subprocess.run([*pip, str(src)], check=True, capture_output=True, timeout=120)
     shutil.rmtree(src)  # only the installed copy is left
-    env = {**ddpexp_env(), "PYTHONPATH": os.pathsep.join([str(site), *ddpexp_env().get("PYTHONPATH", "").split(os.pathsep)])}
+    env = {
+        **ddpexp_env(),
+        "PYTHONPATH": os.pathsep.join([str(site), *ddpexp_env().get("PYTHONPATH", "").split(os.pathsep)]),
+    }
     suite = tmp_path / "test_localpair.py"
     suite.write_text(
         "import os\nimport pytest\nfrom ddpexp.testing import LauncherContract\n\n"

@@ -140,6 +140,11 @@ def report_of(*runs: str) -> Callable[..., None]:
     return check
 
 
+def niced(job: Path) -> None:
+    summary = read_summary(job)
+    assert (summary["launcher"], summary["niceness"], summary["status"]) == ("nice", 15, "completed"), summary
+
+
 def from_elsewhere(cmd: Command, work: Path, env: dict[str, str] | None) -> None:
     """`--config-dir path/to/myproject/conf`: the project's real path, from another directory."""
     text = cmd.text.replace("path/to/myproject", str(work / "examples" / "myproject"))
@@ -169,6 +174,8 @@ WAYS: list[tuple[str, Callable[..., None], bool]] = [
     (r"python -m ddpexp model=mlp model\._target_=mypkg\.nets\.MyNet .*", succeeds("plan=true"), False),
     (r"ddpexp experiment=wine$", succeeds(*TINY, "hydra.run.dir=wine"), False),
     (r"ddpexp experiment=wine model=mlp$", succeeds("plan=true"), False),
+    (r"ddpexp experiment=wine launcher=nice launcher\.niceness=15$",
+     succeeds(*TINY, "hydra.run.dir=nice", then=lambda w, out: niced(w / "examples" / "myproject" / "nice")), False),
     (r"ddpexp -m experiment=wine optimizer\.lr=3e-3,1e-2$", succeeds("plan=true"), False),
     (r"ddpexp --config-dir path/to/myproject/conf experiment=wine$", from_elsewhere, False),
     (r"python -m ddpexp model=resnet18 data=cifar10 hydra\.run\.dir=.*", refused("CIFAR10 not found"), False),

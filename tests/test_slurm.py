@@ -79,13 +79,12 @@ def test_two_nodes_make_world_size_four(tmp_path: Path, slurm: dict[str, str]) -
 
 def test_sweep_without_waiting_runs_jobs_concurrently(tmp_path: Path, slurm: dict[str, str]) -> None:
     sweep = tmp_path / "sweep"
-    began = time.time()
     proc = run_ddpexp(
         "-m", *SLURM, "launcher.wait=false", "optimizer.lr=1e-3,2e-3,3e-3", "max_steps=30", f"hydra.sweep.dir={sweep}",
         cwd=tmp_path, env=slurm, timeout=120,
     )  # fmt: skip
     ids = re.findall(r"submitted Slurm job (\d+)", proc.stdout)
-    assert len(ids) == 3 and time.time() - began < 60  # returned without waiting for the jobs
+    assert len(ids) == 3 and "[rank0]" not in proc.stdout  # returned without following (or waiting for) any job
     deadline = time.time() + 240
     while time.time() < deadline and any(scontrol_job(i, slurm)["JobState"] in ("PENDING", "RUNNING") for i in ids):
         time.sleep(1)

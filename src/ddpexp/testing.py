@@ -86,7 +86,8 @@ class LauncherContract:
     def test_a_failing_rank_fails_the_job(self, tmp_path: Path, launcher_env: dict[str, str]) -> None:
         proc = self.ddpexp(tmp_path, launcher_env, "hydra.run.dir=job", "debug.fail_at_step=2", "debug.fail_rank=1")
         assert proc.returncode == 1, f"{proc.stdout}\n{proc.stderr}"
-        assert "ddpexp: error: rank 1 failed: RuntimeError: debug.fail_at_step=2: rank 1 fails on purpose" in proc.stderr
+        assert (
+            "ddpexp: error: rank 1 failed: RuntimeError: debug.fail_at_step=2: rank 1 fails on purpose" in proc.stderr
+        )
         summary = json.loads((tmp_path / "job" / "summary.json").read_text())
         assert summary["status"] == "failed" and "rank 1 fails on purpose" in summary["error"]
-

@@ -64,7 +64,8 @@ def run(
 def _hydra_run(overrides: list[str], multirun: bool, conf: str | None, cmd: Command) -> bool:
     """What hydra-core 1.3's `hydra.main` does for a run or a multirun (hydra._internal.utils._run_hydra and
     _run_app), without its argument parsing and its exits. True for a multirun. Hydra has no public call for this:
-    `compose` sets no HydraConfig, by design (hydra#828), and `hydra.main` reads sys.argv (hydra#575)."""
+    `compose` sets no HydraConfig, by design (hydra#828), and `hydra.main` reads sys.argv (hydra/main.py
+    decorated_main parses it, L86; hydra#2459 asks for an `overrides` argument)."""
     from hydra._internal.hydra import Hydra
     from hydra._internal.utils import create_automatic_config_search_path
     from hydra.core.config_search_path import SearchPathQuery

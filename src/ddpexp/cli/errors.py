@@ -101,8 +101,9 @@ def report(func: Callable[[], Any], cmd: Any) -> Any:
 
 
 def unknown_key(error: BaseException) -> str | None:
-    """Hydra's "Could not override 'optimzer.lr'. To append to your config use +optimzer.lr=..." suggests the `+`
-    that would add the typo as a new key: name the key that exists instead."""
+    """Hydra's "Could not override 'optimzer.lr'. To append to your config use +optimzer.lr=..." (hydra#620;
+    config_loader_impl.py _apply_overrides_to_config, L391) suggests the `+` that would add the typo as a new key
+    (hydra#1912): name the key that exists instead."""
     from ddpexp.parent.schema import FREE, closest_key
 
     text = f"{error} {error.__cause__ or ''}"

@@ -1,6 +1,8 @@
 """Every change ddpexp makes to hydra-core 1.3 (pinned <1.4), in one place, installed for one command's lifetime
 and taken out after it (`installed(cmd)`), so a process that runs other Hydra apps, or ddpexp.run twice, meets
-Hydra as it is. Hydra has no hook for any of these; each says what it works around."""
+Hydra as it is. Hydra has no hook for any of these; each cites the upstream issue, or, where none was ever filed,
+the place in hydra-core 1.3's source that behaves so (the line numbers are those of the v1.3.2 tag; 1.3.8 is the
+same there)."""
 
 from __future__ import annotations
 
@@ -31,9 +33,10 @@ def installed(cmd: Command, cli: bool) -> Iterator[None]:
     with ExitStack() as stack:
         original = core_utils.run_job
         guard = _record_guard(cmd, original)
-        # run_job as each caller holds it: where it is defined, where a single run calls it, and in the launcher
-        # plugins (the BasicLauncher, behind every sweeper, Optuna's too), which copy it when Hydra first scans
-        # them, once a process: so after the command, the copies they hold are put back too.
+        # run_job as each caller holds it: where it is defined (hydra/core/utils.py), the copy a single run calls
+        # (hydra/_internal/hydra.py imports it by name, L21, and Hydra.run calls that, L119), and the launcher
+        # plugins' copies (basic_launcher.py L14, behind every sweeper, Optuna's too), which Plugins._scan_all_plugins
+        # re-binds each time it re-executes the plugin modules: so after the command, those are put back too.
         stack.enter_context(_patched(core_utils, "run_job", guard))
         stack.enter_context(_patched(hydra_run, "run_job", guard))
         stack.enter_context(_launcher_plugins_run(guard, original))
@@ -43,7 +46,9 @@ def installed(cmd: Command, cli: bool) -> Iterator[None]:
             from ddpexp.cli.errors import report
 
             run_and_report = hydra_utils.run_and_report
-            # Hydra prints a multi-line message and stack frames for every error; ddpexp's bad input is one line.
+            # hydra/_internal/utils.py run_and_report prints a multi-line message, stack frames (print_exc when no
+            # run_job frame is near, as for any composition error) and the HYDRA_FULL_ERROR advice (hydra#349,
+            # hydra#3329; its fix is not in 1.3); ddpexp's bad input is one line.
             reported = lambda func: run_and_report(lambda: report(func, cmd))  # noqa: E731
             stack.enter_context(_patched(hydra_utils, "run_and_report", reported))
             hydra_main = importlib.import_module("hydra.main")  # the module; `hydra.main` is its function
@@ -64,10 +69,11 @@ def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
 
 
 def _record_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., Any]:
-    """Hydra writes a job's .hydra/ record before the task function runs (hydra#678), so before ddpexp's checks:
+    """Hydra writes a job's .hydra/ record before the task function runs (hydra#678, PR hydra#686: run_job writes
+    config.yaml, hydra.yaml, overrides.yaml, then calls the task), so before ddpexp's checks:
     when the job then does not start (refused, already completed, plan=true), the record it found there is put
     back as it was, and a job dir that this command created for nothing is removed. A sweep's job that already
-    completed in its dir with the same config is not run again."""
+    completed in its dir with the same config is not run again (Hydra cannot resume a sweep: hydra#1407, hydra#3328)."""
     from ddpexp.parent.sweep import completed_job, job_dir_of, read_files
 
     def _guarded_run_job(**kwargs: Any) -> Any:
@@ -123,7 +129,8 @@ def _remove_if_only_hydras(job_dir: str, output_subdir: str, job_name: str) -> N
 
 
 def _sweeper_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., Any]:
-    """The basic sweeper rewrites the sweep dir's multirun.yaml first thing: put it back if no job then ran. Its
+    """The basic sweeper rewrites the sweep dir's multirun.yaml first thing (basic_sweeper.py BasicSweeper.sweep,
+    L164, before it checks the batch or launches; the file is PR hydra#576's): put it back if no job then ran. Its
     class is re-created when Hydra scans its plugins, so the sweeper is wrapped as Hydra makes it. A plan of a
     search whose trials depend on earlier results is refused here, before the search begins."""
     from ddpexp.parent.objective import needs_each_value
@@ -159,7 +166,8 @@ def _sweeper_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., 
 
 def _without_schemas(original: Callable[..., str]) -> Callable[..., str]:
     """--help lists every option of a group, the `base_<name>` schemas that each option's YAML extends too (the
-    schema-in-the-same-group pattern); they are not choices."""
+    schema-in-the-same-group pattern Hydra's own docs teach, tutorials/structured_config/5_schema); they are not
+    choices. Hydra.format_config_groups lists whatever get_group_options returns, ConfigStore entries too (L305)."""
 
     def format_config_groups(self: Any, predicate: Callable[[str], bool], compact: bool = True) -> str:
         lines = original(self, predicate, compact).splitlines()
@@ -176,7 +184,9 @@ def _without_schemas(original: Callable[..., str]) -> Callable[..., str]:
 
 
 def _one_line_parser(make_parser: Callable[[], Any]) -> Callable[[], Any]:
-    """hydra.main's argparse errors print its usage and `__main__.py: error:`: one ddpexp line instead."""
+    """hydra.main's argparse errors print its usage and `__main__.py: error:` (hydra/_internal/utils.py
+    get_args_parser builds the parser with no prog, L504, so argparse names it after sys.argv[0]; argparse's own
+    error() prints the usage): one ddpexp line instead."""
 
     def _get_args_parser() -> Any:
         parser = make_parser()
@@ -189,8 +199,10 @@ def _one_line_parser(make_parser: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def _one_line_run(run_hydra: Callable[..., Any]) -> Callable[..., Any]:
-    """What hydra.main's `_run_hydra` raises outside run_and_report (--help/--info composing a bad override, `=3`)
-    as one line, exit 2."""
+    """What hydra.main's `_run_hydra` raises outside run_and_report as one line, exit 2: --help, --hydra-help and
+    --info call app_help, hydra_help and show_info directly (hydra/_internal/utils.py L363, L371, L420), so a bad
+    override there is a traceback; and `=3` (an empty key, which the grammar takes as the root group) ends in
+    defaults_list.py's "Config group override must be a string or a list. Got int" (L96)."""
     from ddpexp.cli.errors import bad_override, config_message, is_config_error
 
     def _run_hydra_one_line(**kwargs: Any) -> Any:
