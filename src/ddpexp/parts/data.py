@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import pydoc
 from collections.abc import Callable
 from typing import Any
 
@@ -241,9 +242,8 @@ def example(data_cfg: dict) -> tuple[dict[str, Any], Callable[[int], Any]] | Non
     One training sample is enough for a step on every rank: DistributedSampler pads, and the last batch is kept."""
     import torch
 
-    factories = (digits, torchvision_dataset, fake, diabetes, stdlib_text)
-    factory = {f"{__name__}.{f.__name__}": f for f in factories}.get(data_cfg["_target_"])
-    if factory is None:
+    factory = pydoc.locate(data_cfg["_target_"])  # by what the path names: ddpexp.data.digits is this module's
+    if factory not in (digits, torchvision_dataset, fake, diabetes, stdlib_text):
         return None
     kwargs = {k: p.default for k, p in inspect.signature(factory).parameters.items()} | data_cfg
     if "crop_padding" in kwargs:
