@@ -210,7 +210,8 @@ def stdlib_text(block_size: int = 64, max_chars: int = 300_000, val_fraction: fl
 def prepare(data_cfg: dict) -> None:
     """In the parent, before ranks start: download a torchvision dataset if asked, else check its files; then
     build the in-memory cache if that path applies."""
-    if data_cfg.get("_target_") != f"{__name__}.torchvision_dataset":
+    target = data_cfg.get("_target_")
+    if not isinstance(target, str) or pydoc.locate(target) is not torchvision_dataset:  # by the object it names
         return
     example(data_cfg)
     name, root = data_cfg["name"], os.path.abspath(data_cfg.get("root", "data"))
