@@ -29,6 +29,8 @@ def contract_for(name: str, module: str) -> type:
     else:
         attrs["launcher_env"] = pytest.fixture(lambda self: ddpexp_env())
         attrs["pytestmark"] = [pytest.mark.slow]
+    if name == "env":  # each rank a command that torchrun starts
+        attrs["starter"] = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
     return type(f"TestContract{name.title()}", (LauncherContract,), attrs)
 
 

@@ -153,6 +153,38 @@ def from_elsewhere(cmd: Command, work: Path, env: dict[str, str] | None) -> None
     succeeds("plan=true")(Command(text), elsewhere, env)
 
 
+def started_by(launcher: str) -> Callable[..., None]:
+    """A command that an outside launcher starts (launcher=env): torchrun and srun as written, with this
+    environment's Python; the PyTorchJob form as both of its pods, RANK=1 as well, on a free port."""
+
+    def check(cmd: Command, work: Path, env: dict[str, str] | None) -> None:
+        words = shlex.split(cmd.text)
+        words = [sys.executable if w == "python" else w for w in words]
+        if words[0] == "torchrun":
+            words[:1] = [sys.executable, "-m", "torch.distributed.run"]
+        assigned = dict(w.split("=", 1) for w in words if re.fullmatch(r"[A-Z_]+=\S+", w))
+        words = [w for w in words if not re.fullmatch(r"[A-Z_]+=\S+", w)]
+        job = f"by_{launcher}"
+        full = {**ddpexp_env(), **(env or {})}
+        others = []
+        if assigned:
+            with __import__("socket").socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                assigned["MASTER_PORT"] = str(sock.getsockname()[1])
+            others = [subprocess.Popen([*words, *TINY, f"hydra.run.dir={job}"], cwd=work,
+                                       env={**full, **assigned, "RANK": "1"}, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE, text=True)]  # fmt: skip
+        proc = subprocess.run([*words, *TINY, f"hydra.run.dir={job}"], cwd=work, env={**full, **assigned},
+                              capture_output=True, text=True, timeout=150)  # fmt: skip
+        for other in others:
+            assert other.wait(timeout=60) == 0, other.communicate()
+        assert proc.returncode == 0, f"{cmd.text}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        summary = read_summary(work / job)
+        assert (summary["status"], summary["started_by"], summary["world_size"]) == ("completed", launcher, 2)
+
+    return check
+
+
 # (pattern of the command, what to do, needs the Slurm cluster)
 WAYS: list[tuple[str, Callable[..., None], bool]] = [
     (r"python3 -m venv .* pip install \. && ddpexp$", installs_then_trains, False),
@@ -178,6 +210,10 @@ WAYS: list[tuple[str, Callable[..., None], bool]] = [
      succeeds(*TINY, "hydra.run.dir=nice", then=lambda w, out: niced(w / "examples" / "myproject" / "nice")), False),
     (r"ddpexp -m experiment=wine optimizer\.lr=3e-3,1e-2$", succeeds("plan=true"), False),
     (r"ddpexp --config-dir path/to/myproject/conf experiment=wine$", from_elsewhere, False),
+    (r"torchrun --standalone --nproc_per_node=2 -m ddpexp data=digits epochs=2$", started_by("torchrun"), False),
+    (r"srun -N1 -n2 python -m ddpexp data=digits epochs=2$", started_by("srun"), True),
+    (r"MASTER_ADDR=\S+ MASTER_PORT=\d+ WORLD_SIZE=2 RANK=0 python -m ddpexp data=digits epochs=2$", started_by("env"),
+     False),
     (r"python -m ddpexp model=resnet18 data=cifar10 hydra\.run\.dir=.*", refused("CIFAR10 not found"), False),
     (r"python -m ddpexp -m optimizer\.lr=1e-3,1e-2 hydra\.sweep\.dir=multirun/2026-12-02/10-00-00$",
      succeeds("gpus=1", *TINY), False),

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpexp.exceptions import ConfigError
+
 
 @dataclass
 class Job:
@@ -92,3 +94,71 @@ def why_not_dir(path: str, error: OSError) -> str:
     if error.filename and os.path.abspath(str(error.filename)) != path:
         why += f" ({error.filename})"
     return why
+
+
+LOCK = "job.lock"
+
+
+def take_lock(job_dir: str) -> str:
+    """Hold `job_dir` for this command (host and pid in JOB_DIR/job.lock): a job dir holds one job at a time. A
+    lock whose process is gone (this host's pid no longer runs: a killed command, an elastic restart) is taken
+    over; a live one is one line. Returns the lock's path, for `release_lock`."""
+    import socket
+    import time
+
+    path, me = os.path.join(job_dir, LOCK), {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
+    os.makedirs(job_dir, exist_ok=True)
+    for _ in range(10):  # a few rounds: another command may take over the same stale lock at the same moment
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = read_json(path) or {}
+            if _alive(holder, me["host"]):
+                since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
+                gone = "" if holder.get("host") == me["host"] else f"; if it is gone, remove {path}"
+                raise ConfigError(
+                    f"{job_dir}: a job is running there (pid {holder.get('pid')} on {holder.get('host')}, since "
+                    f"{since}){gone}; wait for it to end, or give this run another dir"
+                ) from None
+            try:  # stale: moved aside atomically, so that one taker wins
+                os.replace(path, f"{path}.stale.{os.getpid()}")
+                os.remove(f"{path}.stale.{os.getpid()}")
+            except FileNotFoundError:
+                pass
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        return path
+    raise ConfigError(f"{job_dir}: could not take {path}: other commands keep taking it")
+
+
+def release_lock(path: str) -> None:
+    """Remove this command's lock (only if it is still this process's: a stale one may have been taken over)."""
+    holder = read_json(path) or {}
+    if holder.get("pid") == os.getpid():
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
+def _alive(holder: dict[str, Any], host: str) -> bool:
+    """Whether the lock's process still runs. One on another host cannot be asked: taken as alive."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int):
+        return False  # unreadable or half-written by a process that died writing it
+    if holder.get("host") != host:
+        return True
+    if pid == os.getpid():
+        return False  # this very process: an earlier job of the same command that never released it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (dead, not yet reaped by its parent) holds nothing
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

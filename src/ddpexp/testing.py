@@ -9,7 +9,8 @@ the real command line, on real ranks. ddpexp's own launchers pass it too (tests/
         module = "myproject.launcher"      # the module its _target_ names
         config_dir = "path/to/conf"        # where conf/launcher/nice.yaml is (None: an installed launcher)
 
-A launcher that needs its scheduler's environment overrides the `launcher_env` fixture (and `overrides`)."""
+A launcher that needs its scheduler's environment overrides the `launcher_env` fixture (and `overrides`); one whose
+ranks are commands that another launcher starts names that launcher's command line as `starter`."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class LauncherContract:
     module: str = ""  # the module its `_target_` names (with launch, resolve, world_size, plan and NameConfig)
     config_dir: str | None = None  # the project's config dir holding conf/launcher/NAME.yaml; None: installed
     overrides: tuple[str, ...] = ()  # what this launcher needs besides TINY (e.g. device=cpu)
+    starter: tuple[str, ...] = ()  # what starts the command, if not itself: an outside launcher (torchrun's args)
     timeout_s: float = 240
 
     @pytest.fixture
@@ -44,9 +46,10 @@ class LauncherContract:
 
     def ddpexp(self, cwd: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
         """`python -m ddpexp launcher=NAME TINY... args`, as a user types it, in a process of its own."""
-        command = [sys.executable, "-m", "ddpexp", f"launcher={self.launcher}", *TINY, *self.overrides, *args]
+        command = [f"launcher={self.launcher}", *TINY, *self.overrides, *args]
         if self.config_dir is not None:
-            command[3:3] = ["--config-dir", str(self.config_dir)]
+            command[:0] = ["--config-dir", str(self.config_dir)]
+        command[:0] = [*(self.starter or (sys.executable,)), "-m", "ddpexp"]
         return subprocess.run(
             command, cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
             capture_output=True, text=True, timeout=self.timeout_s,

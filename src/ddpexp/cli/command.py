@@ -20,6 +20,8 @@ class Command:
     launched: set[str] = field(default_factory=set)  # job dirs whose ranks were started (parent.run adds them)
     earlier_hydra: dict[str, dict[str, bytes]] = field(default_factory=dict)  # job dir -> .hydra/ files before
     job_dirs: list[str] = field(default_factory=list)  # every job dir of the command, in the order Hydra ran them
+    locks: list[str] = field(default_factory=list)  # job dirs' locks held until the command ends (queued jobs)
+    held: list[Any] = field(default_factory=list)  # kept alive for the command (launcher=env: rank 0's store)
     planned: bool = False  # plan=true: jobs were shown, none started
     error: Exception | None = None  # what a single run raised (ddpexp.run), raised to the caller once Hydra is done
     keep_error: bool = False  # ddpexp.run: keep a single run's error for the caller instead of reporting it here

@@ -55,7 +55,17 @@ def installed(cmd: Command, cli: bool) -> Iterator[None]:
             parser, run_hydra = _one_line_parser(hydra_main.get_args_parser), _one_line_run(hydra_main._run_hydra)
             stack.enter_context(_patched(hydra_main, "get_args_parser", parser))
             stack.enter_context(_patched(hydra_main, "_run_hydra", run_hydra))
+        stack.callback(_command_ended, cmd)
         yield
+
+
+def _command_ended(cmd: Command) -> None:
+    from ddpexp.job import release_lock
+
+    for lock in cmd.locks:
+        release_lock(lock)
+    cmd.locks.clear()
+    cmd.held.clear()
 
 
 @contextmanager
@@ -74,24 +84,46 @@ def _record_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., A
     when the job then does not start (refused, already completed, plan=true), the record it found there is put
     back as it was, and a job dir that this command created for nothing is removed. A sweep's job that already
     completed in its dir with the same config is not run again (Hydra cannot resume a sweep: hydra#1407, hydra#3328)."""
-    from ddpexp.parent.sweep import completed_job, job_dir_of, read_files
+    from omegaconf import open_dict, read_write
+
+    from ddpexp.job import take_lock
+    from ddpexp.parent.sweep import completed_job, job_dir_of, launcher_job_dir, read_files
 
     def _guarded_run_job(**kwargs: Any) -> Any:
         config, subdir_key = kwargs["config"], kwargs.get("job_subdir_key")
         job_dir = job_dir_of(config, kwargs["job_dir_key"], subdir_key)
+        leader = True
+        if subdir_key is None:  # a single run: the launcher may say whose dir it is (launcher=env: rank 0's)
+            agreed = launcher_job_dir(config, job_dir)
+            if agreed.keep is not None:
+                cmd.held.append(agreed.keep)
+            if (agreed.path, agreed.leader) != (job_dir, True):
+                job_dir, leader = agreed.path, agreed.leader
+                with read_write(config.hydra), open_dict(config.hydra):
+                    config.hydra.run.dir = job_dir
+                    if not leader:  # rank 0's command writes the .hydra/ record and the log file
+                        config.hydra.output_subdir = None
+                        kwargs["configure_logging"] = False
         cmd.add_job_dir(job_dir)
         if subdir_key is not None:  # a single run: parent.check_resume decides
             done = completed_job(config, job_dir)
             if done is not None:
                 return done
-        if config.hydra.output_subdir is None:
+        if not leader:
             return original(**kwargs)
         existed = os.path.exists(job_dir)
+        lock = take_lock(job_dir)  # before Hydra writes: a running job's dir is refused untouched
+        if config.hydra.output_subdir is None:
+            try:
+                return original(**kwargs)
+            finally:
+                _release(cmd, lock, job_dir)
         hydra_dir = os.path.join(job_dir, str(config.hydra.output_subdir))
         earlier = cmd.earlier_hydra[job_dir] = read_files(hydra_dir)  # as they were before this attempt
         try:
             return original(**kwargs)
         finally:
+            _release(cmd, lock, job_dir)
             if job_dir not in cmd.launched:
                 for name, data in earlier.items():
                     with open(os.path.join(hydra_dir, name), "wb") as f:
@@ -100,6 +132,16 @@ def _record_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., A
                     _remove_if_only_hydras(job_dir, str(config.hydra.output_subdir), str(config.hydra.job.name))
 
     return _guarded_run_job
+
+
+def _release(cmd: Command, lock: str, job_dir: str) -> None:
+    """A job's lock goes with its run, or with the command for a job still queued at a scheduler."""
+    from ddpexp.job import release_lock
+
+    if any(job.dir == job_dir for job, _, _ in cmd.deferred):
+        cmd.locks.append(lock)
+    else:
+        release_lock(lock)
 
 
 @contextmanager
@@ -134,9 +176,11 @@ def _sweeper_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., 
     class is re-created when Hydra scans its plugins, so the sweeper is wrapped as Hydra makes it. A plan of a
     search whose trials depend on earlier results is refused here, before the search begins."""
     from ddpexp.parent.objective import needs_each_value
+    from ddpexp.parent.outside import refuse_sweep
 
     def _instantiate_sweeper(self: Any, **kwargs: Any) -> Any:
         config = kwargs["config"]
+        refuse_sweep()  # -m inside a world another launcher started
         if config.get("plan") and needs_each_value(config.hydra):  # before the study starts and prints
             raise CommandError(
                 "plan=true with a search that picks each trial from the results of the ones before (hparams_search):"

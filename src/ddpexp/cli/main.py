@@ -16,12 +16,14 @@ def main() -> None:
         sys.exit(report_main(sys.argv[2:]))
     from ddpexp.cli import hydra_patches, project
     from ddpexp.cli.command import Command
+    from ddpexp.parent.outside import with_outside_launcher
     from ddpexp.parent.schema import register_configs
 
     given = project.given_config_dir(sys.argv[1:])
     conf = project.config_dir(given)
     if conf is not None and given is None:  # ./conf: as if given, so the resume and plan lines carry it
         sys.argv[1:1] = ["--config-dir", conf]
+    sys.argv[1:] = with_outside_launcher(sys.argv[1:])  # started by torchrun, srun...: launcher=env
     register_configs()
     cmd = Command(argv=sys.argv[1:])  # the command's state, for its whole lifetime
     with hydra_patches.installed(cmd, cli=True), project.on_path(conf):

@@ -18,7 +18,7 @@ from typing import Any
 from ddpexp.exceptions import ConfigError
 from ddpexp.launchers.base import CONTRACT
 
-NOT_LAUNCHERS = ("base", "processes", "testing")  # this package's modules that are not launchers
+NOT_LAUNCHERS = ("base", "processes", "world")  # this package's modules that are not launchers
 ENTRY_POINTS = "ddpexp.launchers"
 
 

@@ -4,7 +4,8 @@ A launcher is a module with a `NameConfig` dataclass and four functions; the par
 `resolve(cfg)` (pin `device` and `gpus`, check what only this machine or the network can tell), `world_size(config)`
 (the ranks a resolved config asks for, or None: known only at start), then `plan(cfg, job)` for plan=true, else
 `launch(worker, cfg, job)`, which starts the ranks with PyTorch's env:// variables, each calling `worker(cfg, job)`,
-and returns a Handle that the parent waits on (submitit's `submit` returns a Job the same way)."""
+and returns a Handle that the parent waits on (submitit's `submit` returns a Job the same way). Optional:
+`job_dir(launcher_cfg, proposed)`, when the job dir is not this command's to choose (JobDir)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from ddpexp.exceptions import ConfigError
@@ -21,7 +23,9 @@ from ddpexp.exceptions import ConfigError
 class Handle(Protocol):
     """A started (or submitted) job. `wait()` returns once its ranks ended, raising RankFailure when one failed,
     and Interrupted-like signals are handed on by the launcher meanwhile. `queued`: the job runs on a scheduler's
-    resources, so a sweep submits every job before waiting for any; else each job is waited for before the next."""
+    resources, so a sweep submits every job before waiting for any; else each job is waited for before the next.
+    Optional `reports` (default True): whether this command speaks for the job, its result line and a failure's
+    record (when each rank is a command of its own, launcher=env, only rank 0's does)."""
 
     queued: bool
 
@@ -43,14 +47,26 @@ class Launcher(Protocol):
 CONTRACT = ("resolve", "world_size", "plan", "launch")
 
 
+@dataclass
+class JobDir:
+    """What a launcher's optional `job_dir(launcher_cfg, proposed)` returns, called before Hydra writes anything
+    into the dir it proposes: the dir this command's job uses, where each rank is a command of its own that must
+    use rank 0's (launcher=env). A `leader` writes the .hydra/ record and holds the job dir's lock; `keep` is kept
+    alive until the command ends (env: the store that rank 0 hosts for the ranks' rendezvous)."""
+
+    path: str
+    leader: bool = True
+    keep: Any = None
+
+
 class Started:
     """The Handle of a job whose ranks run in this command's processes: `wait` is the given function (it joins
     the ranks, or runs them when they can only run in this thread: torchrun's agent, gpus=1 in-process)."""
 
     queued = False
 
-    def __init__(self, wait: Callable[[], None]):
-        self.wait = wait
+    def __init__(self, wait: Callable[[], None], reports: bool = True):
+        self.wait, self.reports = wait, reports
 
 
 def tail(text: str, lines: int = 25) -> str:

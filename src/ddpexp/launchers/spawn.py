@@ -18,6 +18,7 @@ from ddpexp.launchers.processes import (
     stop_signals_blocked,
     terminate,
 )
+from ddpexp.launchers.world import refuse_inside
 
 
 @dataclass
@@ -39,6 +40,7 @@ class SpawnConfig(LauncherConfig):
 
 def resolve(cfg: Any) -> None:
     """Device and ranks from the GPUs visible here; the master address must resolve."""
+    refuse_inside("spawn")
     resolve_local(cfg)
     cfg.launcher.check_hosts()
 

@@ -14,6 +14,7 @@ from ddpexp.config import LauncherConfig, check
 from ddpexp.exceptions import ConfigError, RankFailure
 from ddpexp.launchers.base import Handle, Started, check_resolves, local_ranks, resolve_local, tail, this_command
 from ddpexp.launchers.processes import detach_from_terminal, die_with_parent, forward_signals, terminate
+from ddpexp.launchers.world import refuse_inside
 
 
 @dataclass
@@ -110,6 +111,7 @@ def node_range(nnodes: Any) -> tuple[int, int]:
 
 def resolve(cfg: Any) -> None:
     """Device and ranks per node from the GPUs visible here; the rendezvous (and local) address must resolve."""
+    refuse_inside("torchrun")
     resolve_local(cfg)
     cfg.launcher.check_hosts()
 

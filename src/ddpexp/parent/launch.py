@@ -120,7 +120,12 @@ def launch_function(target: str) -> Any:
 
 
 def wait(job: Job, handle: Handle, start: float) -> float | None:
-    """Until the job's ranks ended: a failure (or a second Ctrl-C) is recorded in the job's summary.json."""
+    """Until the job's ranks ended: a failure (or a second Ctrl-C) is recorded in the job's summary.json, by the
+    command that reports the job (launcher=env: each rank is a command, rank 0's reports)."""
+    if not getattr(handle, "reports", True):
+        handle.wait()
+        print(f"ddpexp: this rank finished in {time.time() - start:.1f}s; rank 0's command reports the job")
+        return None
     try:
         handle.wait()
     except RankFailure as e:
@@ -172,6 +177,8 @@ def interrupted_message(job: Job, summary: dict[str, Any]) -> str:
     hc = HydraConfig.get()
     where_dir = f"hydra.sweep.dir={hc.sweep.dir}" if hc.mode == RunMode.MULTIRUN else f"hydra.run.dir={job.dir}"
     command = shlex.join(["python", "-m", "ddpexp", *again, where_dir])
+    if summary.get("started_by"):  # each rank is a command that another launcher started: it starts them again
+        command = f"the same launch ({summary['started_by']}), each rank's ddpexp given {shlex.quote(where_dir)}"
     return f"interrupted by {summary.get('signal', 'a signal')} {where}, {ckpt}; resume with: {command}"
 
 

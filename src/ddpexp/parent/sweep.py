@@ -5,6 +5,7 @@ sweep dir skips those jobs, their files untouched, and runs the rest, which resu
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 from typing import Any
 
@@ -21,6 +22,20 @@ def job_dir_of(config: DictConfig, job_dir_key: str, job_subdir_key: str | None)
     if job_subdir_key is not None:
         job_dir = os.path.join(job_dir, str(OmegaConf.select(config, job_subdir_key)))
     return os.path.abspath(job_dir)
+
+
+def launcher_job_dir(config: DictConfig, proposed: str) -> Any:
+    """The job dir a launcher's optional `job_dir` hook agrees on (ddpexp.launchers.base.JobDir), else `proposed`:
+    launcher=env's ranks, each a command, all take rank 0's."""
+    from ddpexp.launchers.base import JobDir
+
+    target = str(OmegaConf.select(config, "launcher._target_", default=""))
+    try:
+        module = importlib.import_module(target.rpartition(".")[0])
+    except (ImportError, ValueError):  # the parent says why, in one line
+        return JobDir(proposed)
+    hook = getattr(module, "job_dir", None)
+    return hook(config.launcher, proposed) if callable(hook) else JobDir(proposed)
 
 
 def read_files(folder: str) -> dict[str, bytes]:

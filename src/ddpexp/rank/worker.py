@@ -31,7 +31,8 @@ from ddpexp.rank.train import train
 log = logging.getLogger("ddpexp")
 
 
-def main(cfg: Config, job: Job) -> None:
+def main(cfg: Config, job: Job) -> str:
+    """The rank, to its end; returns the status it recorded (completed, interrupted, requeued); raises on failure."""
     stop = StopSignals(job.requeue_signal)
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
@@ -94,6 +95,7 @@ def main(cfg: Config, job: Job) -> None:
             logging.getLogger("ddpexp").removeHandler(h)
             h.close()
         logging.getLogger("ddpexp").propagate = True  # the command's own lines, after an in-process rank
+    return str(summary["status"])
 
 
 def _device(cfg: Config, local_rank: int) -> torch.device:
