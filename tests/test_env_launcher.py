@@ -236,3 +236,17 @@ def test_an_outside_world_without_its_master_is_one_line(env: dict[str, str], me
 
     with pytest.raises(ConfigError, match=message):
         outside_world(env)
+
+
+def test_gpus_must_agree_with_the_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import make_config
+    from ddpexp.exceptions import ConfigError
+    from ddpexp.launchers import env
+
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "WORLD_SIZE": "2", "RANK": "1"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=r"^gpus=3: env started 1 rank\(s\) on this host; leave gpus out"):
+        env.resolve(make_config("launcher=env", "gpus=3"))
+    cfg = make_config("launcher=env", "device=cpu")
+    env.resolve(cfg)
+    assert cfg.gpus == 1
