@@ -26,7 +26,7 @@ from ddpexp.exceptions import ConfigError, Stopped
 from ddpexp.job import Job
 from ddpexp.parts.loaders import train_loader
 from ddpexp.parts.optim import build_optimizer, call_accepting
-from ddpexp.parts.tasks import check_loss, samples, to_device
+from ddpexp.parts.tasks import check_loss, directions, objective_mode, samples, to_device
 from ddpexp.rank import checkpoint, distributed, speed
 from ddpexp.rank.debug import DebugFaults
 from ddpexp.rank.evaluation import evaluate
@@ -110,6 +110,9 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
     rank, world_size = dist.get_rank(), dist.get_world_size()
     p = build(cfg, device, resumed)
     task, loader, total_steps, optimizer = p.task, p.loader, p.total_steps, p.optimizer
+    # Which way the objective (and each metric) is better, for the record: `ddpexp report` sorts by it. The
+    # parent's check, again on the task the ranks built.
+    objective = {"name": cfg.objective, "mode": objective_mode(task, p.task_name, cfg.objective, cfg.objective_mode)}
 
     # Restore: the weights are in; now the optimizer, schedule, position, pending loss and (below) RNG streams.
     pos, final = Position(), {}
@@ -195,7 +198,8 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
         if last_epoch or (cfg.checkpoint_every_n_epochs and (epoch + 1) % cfg.checkpoint_every_n_epochs == 0):
             save(position)
 
-    result: dict[str, Any] = {"final": final, "steps": step, "epochs": epoch + 1, "val_samples": _length(p.splits.val)}
+    result: dict[str, Any] = {"final": final, "objective": objective, "steps": step, "epochs": epoch + 1}
+    result.update(directions=directions(task), val_samples=_length(p.splits.val))
     result.update(val_scored=scored, data_path=type(loader).__name__, precision=p.precision)
     result.update(channels_last=p.channels_last, ddp_buckets=_bucket_sizes(p.ddp))
     result["first_step_at"] = first_step_at  # unix time the first optimizer step of this attempt ended
