@@ -108,7 +108,7 @@ def test_distributed_eval_equals_single_process_for_every_task(tmp_path: Path) -
             eval_worker,
             SimpleNamespace(gpus=n, launcher=SpawnConfig(inline_single=True)),
             SimpleNamespace(dir=tmp_path),
-        )
+        ).wait()
     for name in NAMES:
         want = expected(name)
         for n in (1, 2, 3):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import pydoc
 from collections.abc import Callable
 from typing import Any
 
@@ -206,17 +207,11 @@ def stdlib_text(block_size: int = 64, max_chars: int = 300_000, val_fraction: fl
     return Splits(train, val, vocab_size=len(VOCAB) + 1, block_size=block_size)
 
 
-def _builtin(target: Any) -> Any:
-    """This module's function that `data._target_` names, by its public path (ddpexp.data.NAME, as in conf/) or
-    this module's own; None for anything else."""
-    module, _, name = str(target).rpartition(".")
-    return globals().get(name) if module in ("ddpexp.data", __name__) else None
-
-
 def prepare(data_cfg: dict) -> None:
     """In the parent, before ranks start: download a torchvision dataset if asked, else check its files; then
     build the in-memory cache if that path applies."""
-    if _builtin(data_cfg.get("_target_")) is not torchvision_dataset:
+    target = data_cfg.get("_target_")
+    if not isinstance(target, str) or pydoc.locate(target) is not torchvision_dataset:  # by the object it names
         return
     example(data_cfg)
     name, root = data_cfg["name"], os.path.abspath(data_cfg.get("root", "data"))
@@ -248,7 +243,7 @@ def example(data_cfg: dict) -> tuple[dict[str, Any], Callable[[int], Any]] | Non
     One training sample is enough for a step on every rank: DistributedSampler pads, and the last batch is kept."""
     import torch
 
-    factory = _builtin(data_cfg["_target_"])
+    factory = pydoc.locate(data_cfg["_target_"])  # by what the path names: ddpexp.data.digits is this module's
     if factory not in (digits, torchvision_dataset, fake, diabetes, stdlib_text):
         return None
     kwargs = {k: p.default for k, p in inspect.signature(factory).parameters.items()} | data_cfg
