@@ -74,6 +74,24 @@ class DDPConfig:
 
 
 @dataclass
+class EarlyStopConfig:
+    """Stop training when the objective has not improved for a while (checked after each evaluation)."""
+
+    patience: int | None = None  # evaluations in a row without an improvement larger than min_delta; null: off
+    min_delta: float = 0.0  # how much better than the best so far counts as an improvement
+
+    def __post_init__(self) -> None:
+        check(
+            self.patience is None or (isinstance(self.patience, int) and self.patience >= 1),
+            f"early_stop.patience={self.patience}: must be >= 1 (evaluations) or null (off)",
+        )
+        check(
+            is_number(self.min_delta) and self.min_delta >= 0 and self.min_delta != float("inf"),
+            f"early_stop.min_delta={self.min_delta}: must be a finite number >= 0",
+        )
+
+
+@dataclass
 class DebugConfig:
     """Test and diagnosis hooks; all off by default."""
 
@@ -96,6 +114,7 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
     gpus: int | None = None  # processes per node; null: all visible GPUs, or 2 CPU processes without GPUs
     device: str = "auto"
