@@ -178,6 +178,8 @@ BAD_INPUT = [
     (["resume=missing.pt"], "checkpoint missing.pt: no such file"),
     (["launcher=slurm", "launcher.signal=TERM"], "launcher.signal='TERM': must be a signal name without SIG"),
     (["ddp.bucket_cap_mb=0"], "ddp.bucket_cap_mb=0.0: must be > 0"),
+    (["early_stop.patience=0"], "early_stop.patience=0: must be >= 1 (evaluations) or null (off)"),
+    (["early_stop.patiense=2"], "early_stop.patiense: no such key (did you mean early_stop.patience?)"),
 ]
 
 

@@ -153,6 +153,14 @@ def lowest_mse_first(cmd: Command, work: Path, env: dict[str, str] | None) -> No
     assert "objective val/mse (minimize)" in proc.stdout and f"best: job {best}, val/mse=" in proc.stdout, proc.stdout
 
 
+def best_kept(cmd: Command, work: Path, env: dict[str, str] | None) -> None:
+    """The early-stopping command as written, on one rank: best.pt and summary.json's `best` agree."""
+    succeeds("gpus=1", "wandb.mode=disabled", "hydra.run.dir=early")(cmd, work, env)
+    summary = read_summary(work / "early")
+    assert summary["best"]["checkpoint"] == str(work / "early" / "checkpoints" / "best.pt"), summary
+    assert summary["stopped_early"] is False and summary["early_stop"]["patience"] == 3, summary
+
+
 def niced(job: Path) -> None:
     summary = read_summary(job)
     assert (summary["launcher"], summary["niceness"], summary["status"]) == ("nice", 15, "completed"), summary
@@ -178,6 +186,8 @@ WAYS: list[tuple[str, Callable[..., None], bool]] = [
     (r"python -m ddpexp model=resnet2$", prints_what_readme_shows(exit_code=2), False),
     (r"python -m ddpexp batch_size=0$", prints_what_readme_shows(exit_code=2), False),
     (r"python -m ddpexp \+optimzer\.lr=0\.1$", prints_what_readme_shows(exit_code=2), False),
+    (r"python -m ddpexp epochs=2 objective=val/loss early_stop\.patience=3 early_stop\.min_delta=0\.001$",
+     best_kept, False),
     (r"python -m ddpexp optimizer\.lr=1e30 checkpoint_every_n_steps=1$",
      prints_what_readme_shows("max_steps=4", "wandb.mode=disabled", "hydra.run.dir=nan", exit_code=1), False),
     (r".*launcher\.rdzv_endpoint=node0:29400$", refused("cannot resolve host 'node0'", "plan=true"), False),
