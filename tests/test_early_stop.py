@@ -161,12 +161,13 @@ def test_killed_mid_patience_and_resumed_from_an_epoch_s_last_step_it_stops_as_t
     tmp_path: Path, uninterrupted: Path
 ) -> None:
     job = tmp_path / "job"
-    run_ddpexp(
+    proc = run_ddpexp(
         "launcher=torchrun", "launcher.max_restarts=1", *PEAKS, "debug.kill_at_step=64", "debug.fail_rank=1",
         f"hydra.run.dir={job}", cwd=tmp_path, timeout=240,
     )  # fmt: skip
     summary = read_summary(job)
     assert summary["status"] == "completed" and summary["restarts"] == 1
+    assert ", stopped early at step 72: " in proc.stdout
     # The checkpoint at epoch 4's last step, written after its evaluation: one evaluation into the patience.
     assert summary["resumed_from"]["step"] == 60
     val_steps = [m["step"] for m in read_metrics(job) if "val/loss" in m]
