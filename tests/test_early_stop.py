@@ -72,6 +72,9 @@ def test_best_pt_is_atomic_loadable_and_never_rotated(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "last.pt", "latest", "step-00000006.pt"]
     assert checkpoint.load(path)["step"] == 2  # weights_only
     assert checkpoint.find_latest(str(tmp_path)).endswith("step-00000006.pt")  # resume never picks best.pt
+    checkpoint.drop_best(str(tmp_path))
+    checkpoint.drop_best(str(tmp_path))  # a fresh start's, with or without one
+    assert not (tmp_path / "best.pt").exists() and (tmp_path / "last.pt").exists()
 
 
 def test_early_stop_config_defaults_off_and_bad_values_name_the_key() -> None:

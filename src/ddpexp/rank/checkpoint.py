@@ -93,6 +93,14 @@ def save_best(state: dict[str, Any], ckpt_dir: str) -> str:
     return path
 
 
+def drop_best(ckpt_dir: str) -> None:
+    """A fresh start's: best.pt of an earlier attempt that left no step checkpoint is no evaluation of this run."""
+    try:
+        os.remove(os.path.join(ckpt_dir, BEST))
+    except FileNotFoundError:
+        pass
+
+
 def _fsync_dir(ckpt_dir: str) -> None:
     dir_fd = os.open(ckpt_dir, os.O_RDONLY)
     try:

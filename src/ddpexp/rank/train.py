@@ -125,6 +125,8 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
             "rank %d resumed from %s: step %d, epoch %d, batch %d", rank, resumed.path, pos.step, pos.epoch, pos.batch
         )
     best = Best.restore(objective["mode"], resumed.state.get("best") if resumed is not None else None)
+    if resumed is None and rank == 0:
+        checkpoint.drop_best(job.checkpoint_dir)
     meter = Meter(device, pos.last_log_step, getattr(task, "items", "items") if hasattr(task, "count") else None)
     meter.loss += resumed.state["loss_sum"] if resumed is not None else 0.0
     checkpointer = Checkpointer(cfg, job, p.model, optimizer, p.scheduler, p.scaler, tracker)
