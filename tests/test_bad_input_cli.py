@@ -100,6 +100,49 @@ def test_sbatch_refusal_picks_the_cause_and_the_verdict() -> None:
     assert slurm_reason("") == "no message"
 
 
+# digits_optuna's direction is maximize; were the check gone, the study would be one tiny trial
+SEARCH = ["hparams_search=digits_optuna", "hydra.sweeper.n_trials=1", "gpus=1", "max_steps=1", "wandb.mode=disabled"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["experiment=diabetes_mlp", "objective=val/mse"], "hydra.sweeper.direction=maximize contradicts objective=val/mse: task=ddpexp.tasks.Regression declares it min (objective_mode=auto); set hydra.sweeper.direction=minimize (or objective_mode=max)"),
+        (["objective_mode=min"], "hydra.sweeper.direction=maximize contradicts objective=val/acc: objective_mode=min; set hydra.sweeper.direction=minimize (or objective_mode=max)"),
+        (["objective=val/loss", "hydra.sweeper.direction=maximize"], "contradicts objective=val/loss: task=ddpexp.tasks.Classification declares it min"),
+    ],
+    ids=["val/mse maximized", "objective_mode=min maximized", "val/loss maximized"],
+)  # fmt: skip
+def test_an_optuna_direction_against_the_objective_s_mode_is_refused_before_any_trial(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    proc = run_ddpexp(*SEARCH, *args, "hydra.sweep.dir=sweep", cwd=tmp_path, check=False)
+    assert_one_line(proc, message)
+    assert not (tmp_path / "sweep").exists() and "Study name" not in proc.stdout  # no study, no trial
+
+
+def test_the_sweeper_direction_check_reads_every_way_it_is_written() -> None:
+    """Optuna sweeper's own default (its Direction enum, when a preset sets none), a list of one direction, a
+    consistent one, a sweeper with none (the basic sweeper), and a task that declares nothing for the objective."""
+    from hydra_plugins.hydra_optuna_sweeper.config import Direction
+    from omegaconf import OmegaConf
+
+    from ddpexp.parent.objective import check_sweeper_direction
+
+    def config(direction: object, **keys: object) -> object:
+        task = {"_target_": "ddpexp.tasks.Regression"}
+        return OmegaConf.create({"objective": "val/mse", "task": task, "hydra": {"sweeper": {"direction": direction}},
+                                 **keys})  # fmt: skip
+
+    for good in (Direction.minimize, ["minimize"], "minimize", None, "maximize"):
+        check_sweeper_direction(config(good, objective="val/r2") if good == "maximize" else config(good))
+    for bad in (Direction.maximize, ["maximize"]):
+        with pytest.raises(ConfigError, match="^hydra.sweeper.direction=maximize contradicts objective=val/mse: "):
+            check_sweeper_direction(config(bad))
+    with pytest.raises(ConfigError, match="^objective_mode=auto: task=ddpexp.tasks.Regression declares no direction"):
+        check_sweeper_direction(config("minimize", objective="val/rmse"))
+
+
 def write_record(job: Path) -> None:
     (job / ".hydra").mkdir(parents=True)
     (job / ".hydra" / "overrides.yaml").write_text("- epochs=2\n")

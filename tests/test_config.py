@@ -129,6 +129,9 @@ def test_post_init_checks_name_the_key() -> None:
         make_config("grad_accum=0")
     with pytest.raises(ConfigError, match=r"^launcher.nnodes='0:2'"):
         make_config("launcher=torchrun", "launcher.nnodes=0:2")
+    with pytest.raises(ConfigError, match=r"^objective_mode='maximize': must be one of auto, min, max$"):
+        make_config("objective_mode=maximize")
+    assert [make_config(*m).objective_mode for m in ([], ["objective_mode=min"])] == ["auto", "min"]
 
 
 def test_ddp_buckets_default_to_pytorch_s_own() -> None:
@@ -175,6 +178,8 @@ BAD_INPUT = [
     (["resume=missing.pt"], "checkpoint missing.pt: no such file"),
     (["launcher=slurm", "launcher.signal=TERM"], "launcher.signal='TERM': must be a signal name without SIG"),
     (["ddp.bucket_cap_mb=0"], "ddp.bucket_cap_mb=0.0: must be > 0"),
+    (["early_stop.patience=0"], "early_stop.patience=0: must be >= 1 (evaluations) or null (off)"),
+    (["early_stop.patiense=2"], "early_stop.patiense: no such key (did you mean early_stop.patience?)"),
 ]
 
 

@@ -140,6 +140,27 @@ def report_of(*runs: str) -> Callable[..., None]:
     return check
 
 
+def lowest_mse_first(cmd: Command, work: Path, env: dict[str, str] | None) -> None:
+    """The diabetes sweep's report: minimize, the job of the lowest val/mse named best."""
+    sweep = work / "multirun" / "diabetes"
+    if not sweep.is_dir():  # this command alone (-k): README's sweep command before it first
+        made = next(c for c in ALL if c.text.endswith("hydra.sweep.dir=multirun/diabetes"))
+        succeeds("gpus=1", "wandb.mode=disabled")(made, work, env)
+    mse = {i: read_summary(sweep / str(i))["final"]["val/mse"] for i in range(2)}
+    best = min(mse, key=lambda i: mse[i])
+    proc = run(shlex.split(cmd.text), work, env)
+    assert proc.returncode == 0, proc.stderr
+    assert "objective val/mse (minimize)" in proc.stdout and f"best: job {best}, val/mse=" in proc.stdout, proc.stdout
+
+
+def best_kept(cmd: Command, work: Path, env: dict[str, str] | None) -> None:
+    """The early-stopping command as written, on one rank: best.pt and summary.json's `best` agree."""
+    succeeds("gpus=1", "wandb.mode=disabled", "hydra.run.dir=early")(cmd, work, env)
+    summary = read_summary(work / "early")
+    assert summary["best"]["checkpoint"] == str(work / "early" / "checkpoints" / "best.pt"), summary
+    assert summary["stopped_early"] is False and summary["early_stop"]["patience"] == 3, summary
+
+
 def niced(job: Path) -> None:
     summary = read_summary(job)
     assert (summary["launcher"], summary["niceness"], summary["status"]) == ("nice", 15, "completed"), summary
@@ -197,6 +218,8 @@ WAYS: list[tuple[str, Callable[..., None], bool]] = [
     (r"python -m ddpexp model=resnet2$", prints_what_readme_shows(exit_code=2), False),
     (r"python -m ddpexp batch_size=0$", prints_what_readme_shows(exit_code=2), False),
     (r"python -m ddpexp \+optimzer\.lr=0\.1$", prints_what_readme_shows(exit_code=2), False),
+    (r"python -m ddpexp epochs=2 objective=val/loss early_stop\.patience=3 early_stop\.min_delta=0\.001$",
+     best_kept, False),
     (r"python -m ddpexp optimizer\.lr=1e30 checkpoint_every_n_steps=1$",
      prints_what_readme_shows("max_steps=4", "wandb.mode=disabled", "hydra.run.dir=nan", exit_code=1), False),
     (r".*launcher\.rdzv_endpoint=node0:29400$", refused("cannot resolve host 'node0'", "plan=true"), False),
@@ -222,6 +245,9 @@ WAYS: list[tuple[str, Callable[..., None], bool]] = [
     (r"python -m ddpexp hparams_search=digits_optuna launcher=slurm .*", succeeds(*SEARCH, "gpus=2"), True),
     (r"python -m ddpexp hparams_search=digits_optuna.*", succeeds(*SEARCH), False),
     (r"python -m ddpexp report multirun/2026-12-02/10-00-00$", report_of("multirun/2026-12-02/10-00-00"), False),
+    (r"python -m ddpexp -m experiment=diabetes_mlp optimizer\.lr=1e-4,1e-2 epochs=3 hydra\.sweep\.dir=multirun/diabetes$",
+     succeeds("gpus=1", "wandb.mode=disabled"), False),
+    (r"python -m ddpexp report multirun/diabetes$", lowest_mse_first, False),
     (r"python -m ddpexp report outputs/2026-12-02/10-00-00 outputs/2026-12-02/11-30-00$",
      report_of("outputs/2026-12-02/10-00-00", "outputs/2026-12-02/11-30-00"), False),
 ]  # fmt: skip

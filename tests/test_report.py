@@ -213,3 +213,53 @@ def test_the_objective_plot_keeps_its_legend_off_the_title(sweep: Path) -> None:
     renderer = fig.canvas.get_renderer()
     title, legend = fig._suptitle.get_window_extent(renderer), fig.legends[0].get_window_extent(renderer)
     assert not title.overlaps(legend), (title, legend)
+
+
+def test_the_recorded_mode_sorts_a_user_task_s_own_metric(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A user task declares val/bits_per_char minimized (no name could tell: it does not end in loss); its jobs'
+    records hold the mode the run resolved from that declaration, and the report sorts, titles and draws by it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from ddpexp.parts.tasks import directions, objective_mode
+    from ddpexp.report import plots
+    from ddpexp.report.main import build
+    from user_task import BitsPerChar
+
+    mode = objective_mode(BitsPerChar(), "task=user_task.BitsPerChar", "val/bits_per_char", "auto")
+    sweep, bits = tmp_path / "sweep", {"0": 2.5, "1": 1.25, "2": 3.0}
+    for name, b in bits.items():
+        job = sweep / name
+        (job / ".hydra").mkdir(parents=True)
+        (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump([f"optimizer.lr=0.0{name}1"]))
+        (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump({"objective": "val/bits_per_char"}))
+        final = {"train/loss": b * 0.7, "val/bits_per_char": b, "val/acc": 1 / b}
+        rows = [{"step": 5, "epoch": 0, "train/loss": b}, {"step": 10, "epoch": 0, "train/loss": b * 0.7},
+                {"step": 10, "epoch": 0, "val/bits_per_char": b, "val/acc": 1 / b}]  # fmt: skip
+        (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        summary = {"status": "completed", "final": final, "objective": {"name": "val/bits_per_char", "mode": mode},
+                   "directions": directions(BitsPerChar()), "steps": 10, "world_size": 1, "wall_time_s": 1.0}  # fmt: skip
+        (job / "summary.json").write_text(json.dumps(summary))
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump({"hydra": {"sweeper": {"max_batch_size": None}}}))
+
+    assert report_main([str(sweep)]) == 0
+    out = capsys.readouterr().out
+    assert "objective val/bits_per_char (minimize)" in out and "best: job 1, val/bits_per_char=1.25" in out
+    with open(sweep / "report.csv", newline="") as f:
+        assert [r["job"] for r in csv.DictReader(f)] == ["1", "0", "2"]
+    r = build([str(sweep)], None, None)
+    fig = plots.curves_figure(r)
+    widths = {(ax.get_title(), line.get_label()): line.get_linewidth() for ax in fig.axes for line in ax.get_lines()}
+    bold = sorted(key for key, width in widths.items() if width > 2)
+    assert bold == [("train/loss", "job 1: lr=0.011"), ("val/bits_per_char", "job 1: lr=0.011")], widths
+    assert "(minimize)" in plots.objective_figure(r)._suptitle.get_text()
+
+    report_main([str(sweep), "--direction", "maximize"])  # still the override
+    assert "best: job 2, val/bits_per_char=3" in capsys.readouterr().out
+    for older in (["objective"], ["objective", "directions"]):  # the task's directions; else the name's guess
+        for name in bits:
+            summary = json.loads((sweep / name / "summary.json").read_text())
+            (sweep / name / "summary.json").write_text(json.dumps({k: v for k, v in summary.items() if k not in older}))
+        report_main([str(sweep)])
+        expected = "minimize" if older == ["objective"] else "maximize"
+        assert f"objective val/bits_per_char ({expected})" in capsys.readouterr().out

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_ddpexp
-from ddpexp.rank.train import warn_about_sizes
+from ddpexp.parts.loaders import warn_about_sizes
 
 
 def test_size_warnings_name_the_numbers(caplog: pytest.LogCaptureFixture) -> None:

@@ -155,3 +155,29 @@ def test_a_study_whose_every_trial_failed_ends_with_the_list_not_a_traceback(tmp
         assert f"{sweep / str(i)}: rank 0 failed: RuntimeError: debug.fail_at_step=1" in proc.stderr
         assert read_summary(sweep / str(i))["status"] == "failed"
     assert not (sweep / "optimization_results.yaml").exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_sweep_of_a_minimized_objective_reports_the_lowest_first(tmp_path: Path) -> None:
+    """experiment=diabetes_mlp optimizes val/mse, which task=regression declares minimized: every job records that
+    mode (and each metric's direction), and the report names the job of the lowest val/mse best (by the metric's
+    name alone it maximized val/mse, and val/mae)."""
+    sweep = tmp_path / "sweep"
+    run_ddpexp(
+        "-m", "experiment=diabetes_mlp", "optimizer.lr=1e-4,1e-2", "epochs=2", "gpus=1", "wandb.mode=disabled",
+        f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=200,
+    )  # fmt: skip
+    summaries = [read_summary(sweep / str(i)) for i in range(2)]
+    assert [s["objective"] for s in summaries] == [{"name": "val/mse", "mode": "min"}] * 2
+    assert summaries[0]["directions"] == {"train/loss": "min", "val/mse": "min", "val/mae": "min", "val/r2": "max"}
+    mse = [s["final"]["val/mse"] for s in summaries]
+    best = mse.index(min(mse))
+    assert mse[1 - best] > mse[best]
+    report = run_ddpexp("report", str(sweep), cwd=tmp_path)
+    assert "2 job(s): 2 completed; objective val/mse (minimize)" in report.stdout
+    assert f"best: job {best}, val/mse={fmt(mse[best])}" in report.stdout
+    with open(sweep / "report.csv", newline="") as f:
+        assert [float(r["val/mse"]) for r in csv.DictReader(f)] == sorted(mse)
+    mae = [s["final"]["val/mae"] for s in summaries]  # another metric: its direction is in the record too
+    report = run_ddpexp("report", str(sweep), "--objective", "val/mae", cwd=tmp_path)
+    assert "objective val/mae (minimize)" in report.stdout and f"best: job {mae.index(min(mae))}," in report.stdout

@@ -43,6 +43,10 @@ BAD = [
     (["data=diabetes", "model=mlp", "task=regression", "objective=val/acc"], "objective=val/acc: task=ddpexp.tasks.Regression logs no such metric; it logs train/loss, val/mse, val/mae, val/r2"),
     (["data=stdlib_text", "model=gpt", "task=classification"], "task=classification: the model outputs shape (2, 64, 98); it needs (batch, classes)"),
     (["data=stdlib_text", "model=mlp", "task=language_model"], "model=mlp: the data gives neither in_features"),
+    (["task._target_=user_task.BadDirections", *USER_TASK], "task=user_task.BadDirections.directions={'brier': 'minimize', 'acc': 'max'}: must map metric names as metrics() returns them (no val/) to 'min' or 'max'"),
+    (["task._target_=user_task.Undeclared", *USER_TASK, "objective=val/brier"], "objective_mode=auto: task=user_task.Undeclared declares no direction for objective=val/brier (it has no directions); set objective_mode=min or objective_mode=max, or add 'brier' to the task's directions"),
+    # A user's data factory: the metrics are known only on the ranks, the task's declarations here already.
+    (["data._target_=uneven_data.splits", "task._target_=user_task.BitsPerChar", *USER_TASK, "objective=val/brier"], "objective_mode=auto: task=user_task.BitsPerChar declares no direction for objective=val/brier (its directions: bits_per_char min, acc max)"),
 ]  # fmt: skip
 
 
@@ -58,8 +62,37 @@ def test_good_tasks_pass_the_dry_build(monkeypatch) -> None:  # type: ignore[no-
     monkeypatch.syspath_prepend(str(ROOT / "tests"))
     for args in (["experiment=diabetes_mlp"], ["experiment=stdlib_gpt"], ["task._target_=user_task.BrierTask",
                  *USER_TASK, "objective=val/brier"], ["task.top_k=[1,5]", "objective=val/top5"],
-                 ["experiment=diabetes_mlp", "objective=val/r2"], ["experiment=stdlib_gpt", "objective=val/ppl"]):  # fmt: skip
+                 ["experiment=diabetes_mlp", "objective=val/r2"], ["experiment=stdlib_gpt", "objective=val/ppl"],
+                 ["task._target_=user_task.BitsPerChar", *USER_TASK, "objective=val/bits_per_char"],
+                 ["task._target_=user_task.Undeclared", *USER_TASK, "objective=val/brier", "objective_mode=min"]):  # fmt: skip
         components(make_config(*args))
+
+
+def test_built_in_tasks_declare_which_way_each_metric_they_log_is_better() -> None:
+    """Every val/NAME a built-in task logs (its metrics on a real batch, then finalize) has a direction, and
+    objective_mode=auto resolves to it; train/loss is minimized whatever the task; min or max as given win."""
+    from ddpexp.parts.tasks import Classification, LanguageModel, Regression, directions, finalize, objective_mode
+
+    torch.manual_seed(0)
+    x, tokens = torch.randn(8, 4), torch.randint(0, 5, (2, 3))
+    cases = [
+        (Classification(top_k=[1, 5]), torch.nn.Linear(4, 6), (x, torch.arange(8) % 6),
+         {"loss": "min", "acc": "max", "top5": "max"}),
+        (Regression(), torch.nn.Linear(4, 1), (x, torch.randn(8, 1)), {"mse": "min", "mae": "min", "r2": "max"}),
+        (LanguageModel(), torch.nn.Embedding(5, 5), (tokens, tokens.roll(1, 1)), {"loss": "min", "acc": "max", "ppl": "min"}),
+    ]  # fmt: skip
+    for task, model, batch, expected in cases:
+        with torch.no_grad():
+            scores = task.metrics(model, batch)
+        logged = finalize(task, {k: float(s) / float(n) for k, (s, n) in scores.items()})
+        assert set(logged) == set(expected) and dict(task.directions) == expected, type(task).__name__
+        assert directions(task) == {"train/loss": "min", **{f"val/{k}": v for k, v in expected.items()}}
+        assert objective_mode(task, "t", "train/loss", "auto") == "min"
+        for name, mode in expected.items():
+            assert objective_mode(task, "t", f"val/{name}", "auto") == mode
+            assert objective_mode(task, "t", f"val/{name}", "max") == "max"  # given: it wins over the declaration
+    assert Classification().directions == {"loss": "min", "acc": "max"}  # top5 only where it is logged
+    assert "val/top5" not in directions(Classification())
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from ddpexp.exceptions import ConfigError
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cuda", "cpu")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
+OBJECTIVE_MODES = ("auto", "min", "max")
 
 
 def check(ok: bool, msg: str) -> None:
@@ -73,6 +74,24 @@ class DDPConfig:
 
 
 @dataclass
+class EarlyStopConfig:
+    """Stop training when the objective has not improved for a while (checked after each evaluation)."""
+
+    patience: int | None = None  # evaluations in a row without an improvement larger than min_delta; null: off
+    min_delta: float = 0.0  # how much better than the best so far counts as an improvement
+
+    def __post_init__(self) -> None:
+        check(
+            self.patience is None or (isinstance(self.patience, int) and self.patience >= 1),
+            f"early_stop.patience={self.patience}: must be >= 1 (evaluations) or null (off)",
+        )
+        check(
+            is_number(self.min_delta) and self.min_delta >= 0 and self.min_delta != float("inf"),
+            f"early_stop.min_delta={self.min_delta}: must be a finite number >= 0",
+        )
+
+
+@dataclass
 class DebugConfig:
     """Test and diagnosis hooks; all off by default."""
 
@@ -95,6 +114,7 @@ class Config:
     wandb: WandbConfig = field(default_factory=WandbConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
 
     gpus: int | None = None  # processes per node; null: all visible GPUs, or 2 CPU processes without GPUs
     device: str = "auto"
@@ -106,6 +126,7 @@ class Config:
     clip_grad_norm: float | None = None
     seed: int = 0
     objective: str = "val/acc"  # the final metric a job returns to a sweeper (Optuna's study optimizes it): any it logs
+    objective_mode: str = "auto"  # min or max; auto: the task's declared direction for `objective`
     on_nonfinite: str = "stop"  # a NaN/inf loss or metric: stop (exit 1, the last finite checkpoint kept) or warn
     dist_timeout_s: float = 300.0  # a collective waiting longer than this fails the job instead of hanging it
     log_every_n_steps: int = 10
@@ -131,6 +152,7 @@ class Config:
             self.objective == "train/loss" or (self.objective.startswith("val/") and len(self.objective) > 4),
             f"objective={self.objective!r}: must be train/loss or val/NAME, a metric the task logs (val/acc, val/loss, ...)",
         )
+        check_choice("objective_mode", self.objective_mode, OBJECTIVE_MODES)
         check(self.epochs >= 1, f"epochs={self.epochs}: must be >= 1")
         check(self.max_steps is None or self.max_steps >= 1, f"max_steps={self.max_steps}: must be >= 1 or null")
         check(self.batch_size >= 1, f"batch_size={self.batch_size}: must be >= 1 (per process)")

@@ -1,6 +1,7 @@
 """The project's own task: cross entropy to train, and its own metric, balanced accuracy (the mean of the
 per-class recalls; wine's three cultivars are not equally common). ddpexp calls loss and metrics, adds the
-(sum, count) pairs over every batch and rank, then finalize turns the per-class recalls into their mean."""
+(sum, count) pairs over every batch and rank, then finalize turns the per-class recalls into their mean; the
+directions say which way each metric is better, for objective_mode=auto (sweeps and `ddpexp report`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch.nn.functional as F
 
 
 class BalancedAccuracy:
+    directions = {"loss": "min", "acc": "max", "balanced_acc": "max"}  # which way each metric is better
+
     def __init__(self, num_classes: int = 3):
         self.num_classes = num_classes
 

@@ -174,8 +174,10 @@ def _sweeper_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., 
     """The basic sweeper rewrites the sweep dir's multirun.yaml first thing (basic_sweeper.py BasicSweeper.sweep,
     L164, before it checks the batch or launches; the file is PR hydra#576's): put it back if no job then ran. Its
     class is re-created when Hydra scans its plugins, so the sweeper is wrapped as Hydra makes it. A plan of a
-    search whose trials depend on earlier results is refused here, before the search begins."""
-    from ddpexp.parent.objective import needs_each_value
+    search whose trials depend on earlier results, and a sweeper `direction` against the objective's mode, are
+    refused here, before the search begins (hydra/_internal/hydra.py Hydra.multirun instantiates the sweeper, with
+    the composed config, before it calls its sweep)."""
+    from ddpexp.parent.objective import check_sweeper_direction, needs_each_value
     from ddpexp.parent.outside import refuse_sweep
 
     def _instantiate_sweeper(self: Any, **kwargs: Any) -> Any:
@@ -186,6 +188,7 @@ def _sweeper_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., 
                 "plan=true with a search that picks each trial from the results of the ones before (hparams_search):"
                 " a plan runs none, so it has no trials to show; plan one job with the parameters set instead"
             )
+        check_sweeper_direction(config)
         sweeper = original(self, **kwargs)
         sweep, path = sweeper.sweep, os.path.join(str(kwargs["config"].hydra.sweep.dir), "multirun.yaml")
 

@@ -1,7 +1,8 @@
 """The parent's dry build of a run's parts, before any rank starts: the task is built and its methods checked; the
 model, optimizer and scheduler are built on PyTorch's meta device (no memory, no compute) and one batch of the
-data's shape goes through the model and the task's loss and metrics, so a bad model, data, task, optimizer or
-scheduler value is one ConfigError line here instead of a traceback from every rank."""
+data's shape goes through the model and the task's loss and metrics, `objective` checked to be a metric the task
+logs and declares a direction for, so a bad model, data, task, optimizer or scheduler value is one ConfigError
+line here instead of a traceback from every rank."""
 
 from __future__ import annotations
 
@@ -25,14 +26,13 @@ def components(cfg: Config) -> None:
     from hydra.utils import instantiate
 
     from ddpexp.parts.optim import call_accepting
-    from ddpexp.parts.tasks import check_interface
+    from ddpexp.parts.tasks import check_interface, objective_mode
 
     for group in GROUPS:
         if getattr(cfg, group):
             _resolve(group, getattr(cfg, group))
     check_values(cfg)
-    task_name = f"task={cfg.task['_target_']}"
-    task = _build(task_name, lambda: instantiate(cfg.task, _convert_="all"))
+    task, task_name = build_task(cfg.task)
     check_interface(task, task_name)
     example = data.example(cfg.data)
     # The ranks warn about their real build; the dry one keeps stderr to the one error line.
@@ -42,6 +42,9 @@ def components(cfg: Config) -> None:
             params = [torch.nn.Parameter(torch.empty(1))]
         else:
             params = list(_model_and_task(cfg, task, task_name, *example).parameters())
+        # Which way the objective is better, after the check that the task logs it (known here for ddpexp's data;
+        # a user's data factory's metrics are known on the ranks, but the task's declarations are known now).
+        objective_mode(task, task_name, cfg.objective, cfg.objective_mode)
         optimizer = _build(f"optimizer={_call(cfg.optimizer)}", lambda: instantiate(cfg.optimizer)(params))
         if not cfg.scheduler:
             return
@@ -53,6 +56,14 @@ def components(cfg: Config) -> None:
         )
         for _ in range(DRY_STEPS):
             _build(f"scheduler={_call(cfg.scheduler)}", scheduler.step)
+
+
+def build_task(node: Any) -> tuple[Any, str]:
+    """The task that `node` (the `task` config) builds, and its name for messages (task=_target_)."""
+    from hydra.utils import instantiate
+
+    name = f"task={node['_target_']}"
+    return _build(name, lambda: instantiate(node, _convert_="all")), name
 
 
 def check_values(cfg: Config) -> None:

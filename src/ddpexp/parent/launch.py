@@ -161,7 +161,8 @@ def finish(job: Job, start: float) -> float | None:
     final = summary.get("final", {})
     ordered = sorted(final.items(), key=lambda kv: kv[0] != "train/loss")  # train/loss, then the task's metrics
     metrics = " ".join(f"{k}={v:.4f}" if isinstance(v, (int, float)) else f"{k}={v}" for k, v in ordered)
-    print(f"ddpexp: {summary.get('status', 'finished')} in {time.time() - start:.1f}s: {metrics} -> {job.dir}")
+    early = f", stopped early at step {summary.get('steps')}" if summary.get("stopped_early") else ""
+    print(f"ddpexp: {summary.get('status', 'finished')} in {time.time() - start:.1f}s{early}: {metrics} -> {job.dir}")
     return final.get(yaml.safe_load(job.config_yaml).get("objective", "val/acc"))
 
 

@@ -5,6 +5,7 @@ share of an exact evaluation."""
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,6 +13,8 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from ddpexp.parts.inmemory import batchable
+
+log = logging.getLogger("ddpexp")
 
 
 class TrainLoader:
@@ -113,3 +116,22 @@ def eval_batches(dataset: Any, rank: int, world_size: int, batch_size: int, devi
     mine = torch.arange(rank, len(data), world_size, device=device)
     for start in range(0, len(mine), batch_size):
         yield data.batch(mine[start : start + batch_size])
+
+
+def warn_about_sizes(n: int | None, world_size: int, batch_size: int) -> None:
+    """Sizes that train, but not as the user likely meant: DistributedSampler pads every rank's shard to the same
+    length with repeated samples, and a batch larger than a shard is one short step per epoch."""
+    if n is None or n == 0:
+        return
+    shard = -(-n // world_size)
+    padding = shard * world_size - n
+    if padding * 10 > shard * world_size:
+        log.warning(
+            "warning: %d train samples on %d ranks: DistributedSampler pads the shards with %d repeated samples, "
+            "%d%% of every epoch", n, world_size, padding, round(100 * padding / (shard * world_size)),
+        )  # fmt: skip
+    if batch_size > shard:
+        log.warning(
+            "warning: batch_size=%d is more than each rank's %d train samples: one step per epoch, of %d samples a rank",
+            batch_size, shard, shard,
+        )  # fmt: skip

@@ -10,6 +10,8 @@ Any object with these methods is a task (subclassing `Task` gives the defaults o
   samples (tokens, pixels, labels that are not ignored). The loop weights every micro-batch on every rank by it,
   so a step's gradient is that of the mean over all its items, exactly. Without it, items are samples.
 - `items: str` (optional): what `count` counts, for the `{items}_per_s` throughput (e.g. "tokens").
+- `directions: {name: "min" | "max"}` (optional): which way each metric is better, so that `objective_mode=auto`
+  knows whether a sweep minimizes or maximizes `val/NAME` (train/loss is always minimized).
 - `finalize(averages) -> averages` (optional): metrics computed from the averaged ones, e.g. perplexity.
 - `to_device(batch, device, memory_format)` (optional): the default moves every tensor in the batch.
 """
@@ -20,7 +22,8 @@ import dataclasses
 import inspect
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -29,11 +32,15 @@ import torch.nn.functional as F
 from ddpexp.config import check, is_number
 from ddpexp.exceptions import ConfigError
 
+DIRECTIONS = ("min", "max")
+
 
 class Task:
     """Defaults for a task's optional methods; `loss` and `metrics` are the task's own."""
 
     items = "items"
+    # Read-only: a subclass gives its own dict; none declared means objective_mode=auto refuses its metrics.
+    directions: Mapping[str, str] = MappingProxyType({})
 
     def to_device(self, batch: Any, device: torch.device, memory_format: Any = torch.contiguous_format) -> Any:
         return move(batch, device, memory_format)
@@ -51,6 +58,8 @@ class Task:
 class Classification(Task):
     """Cross entropy on integer class labels; metrics loss (plain cross entropy), acc and top-k accuracy."""
 
+    directions: Mapping[str, str] = {"loss": "min", "acc": "max"}  # and each topK: max
+
     def __init__(self, top_k: Sequence[int] = (1,), label_smoothing: float = 0.0):
         check(
             isinstance(top_k, Sequence) and all(isinstance(k, int) and k >= 1 for k in top_k) and len(top_k) > 0,
@@ -61,6 +70,7 @@ class Classification(Task):
             f"task.label_smoothing={label_smoothing!r}: must be >= 0 and < 1",
         )
         self.top_k, self.label_smoothing = sorted(set(top_k)), float(label_smoothing)
+        self.directions = {**type(self).directions, **{f"top{k}": "max" for k in self.top_k if k > 1}}
 
     def loss(self, model: Any, batch: Any) -> torch.Tensor:
         x, y = batch
@@ -97,6 +107,8 @@ def _check_classes(out: torch.Tensor, y: torch.Tensor) -> None:
 
 class Regression(Task):
     """Mean squared error; metrics mse, mae and r2 (1 - mse / the targets' variance: 0 is predicting the mean)."""
+
+    directions: Mapping[str, str] = {"mse": "min", "mae": "min", "r2": "max"}
 
     def loss(self, model: Any, batch: Any) -> torch.Tensor:
         x, y = batch
@@ -135,6 +147,7 @@ class LanguageModel(Task):
     (tokens [B, T], next tokens [B, T]) and the model returns logits [B, T, vocab]. Metrics loss, acc, ppl."""
 
     items = "tokens"
+    directions: Mapping[str, str] = {"loss": "min", "acc": "max", "ppl": "min"}
 
     def __init__(self, ignore_index: int = -100):
         check(isinstance(ignore_index, int), f"task.ignore_index={ignore_index!r}: must be an int")
@@ -182,6 +195,28 @@ def finalize(task: Any, averages: dict[str, float]) -> dict[str, float]:
     """`task.finalize`, or the averages as they are."""
     own = getattr(task, "finalize", None)
     return own(averages) if own is not None else averages
+
+
+def directions(task: Any) -> dict[str, str]:
+    """Which way each metric is better (min or max), as the task declares it, by the names the run record uses
+    (val/NAME); train/loss is always minimized: it is the loss the loop steps on."""
+    return {"train/loss": "min", **{f"val/{k}": v for k, v in dict(getattr(task, "directions", None) or {}).items()}}
+
+
+def objective_mode(task: Any, task_name: str, objective: str, mode: str) -> str:
+    """`objective_mode` resolved to min or max: as given, or (auto) the task's own declaration for `objective`.
+    Guessing from the name would sort val/mse upside down, so a metric the task declares nothing for is refused."""
+    if mode != "auto":
+        return mode
+    found = directions(task).get(objective)
+    if found is None:
+        declared = ", ".join(f"{k} {v}" for k, v in dict(getattr(task, "directions", None) or {}).items())
+        raise ConfigError(
+            f"objective_mode=auto: {task_name} declares no direction for objective={objective} "
+            f"({'its directions: ' + declared if declared else 'it has no directions'}); set objective_mode=min or "
+            f"objective_mode=max, or add {objective.removeprefix('val/')!r} to the task's directions"
+        )
+    return found
 
 
 def move(batch: Any, device: torch.device, memory_format: Any = torch.contiguous_format) -> Any:
@@ -241,6 +276,17 @@ def check_interface(task: Any, name: str) -> None:
             raise ConfigError(f"{name}.{method}{inspect.signature(fn)}: must take ({expected}) ({e})") from None
         except ValueError:  # a builtin without a signature
             continue
+    declared = getattr(task, "directions", None)
+    check(
+        declared is None or _is_directions(declared),
+        f"{name}.directions={declared!r}: must map metric names as metrics() returns them (no val/) to 'min' or 'max'",
+    )
+
+
+def _is_directions(value: Any) -> bool:
+    return isinstance(value, Mapping) and all(
+        isinstance(k, str) and "/" not in k and v in DIRECTIONS for k, v in value.items()
+    )
 
 
 def check_loss(loss: Any, name: str) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Checkpoint files: atomic writes, a `latest` marker written last, keep-last-k, and loading that refuses
 anything but tensors and plain types (torch.load(weights_only=True)).
 
-Layout of a job's checkpoints/: step-00000120.pt ... (the last k), last.pt (a hard link to the newest) and
-`latest` (the newest file's name). A kill at any moment leaves the previous checkpoint loadable.
+Layout of a job's checkpoints/: step-00000120.pt ... (the last k), last.pt (a hard link to the newest),
+`latest` (the newest file's name) and best.pt (the best evaluation's, never rotated). A kill at any moment leaves
+the previous checkpoint loadable.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from ddpexp.exceptions import CheckpointError
 
 MARKER = "latest"
+BEST = "best.pt"
 
 
 def rng_state() -> dict[str, Any]:
@@ -74,14 +76,37 @@ def save(state: dict[str, Any], ckpt_dir: str, step: int, keep_last: int) -> str
     os.link(path, tmp_link)  # last.pt: the same bytes under a fixed name, no copy
     os.replace(tmp_link, os.path.join(ckpt_dir, "last.pt"))
     _write_atomic(os.path.join(ckpt_dir, MARKER), lambda f: f.write(name.encode()))
+    _fsync_dir(ckpt_dir)
+    for old in step_files(ckpt_dir)[:-keep_last]:
+        os.remove(old)
+    return path
+
+
+def save_best(state: dict[str, Any], ckpt_dir: str) -> str:
+    """Write best.pt (temp file, fsync, rename): the previous best stays whole until the new one is."""
+    import torch
+
+    os.makedirs(ckpt_dir, exist_ok=True)
+    path = os.path.join(ckpt_dir, BEST)
+    _write_atomic(path, lambda f: torch.save(state, f))
+    _fsync_dir(ckpt_dir)
+    return path
+
+
+def drop_best(ckpt_dir: str) -> None:
+    """A fresh start's: best.pt of an earlier attempt that left no step checkpoint is no evaluation of this run."""
+    try:
+        os.remove(os.path.join(ckpt_dir, BEST))
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_dir(ckpt_dir: str) -> None:
     dir_fd = os.open(ckpt_dir, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # the renames themselves survive a power cut
     finally:
         os.close(dir_fd)
-    for old in step_files(ckpt_dir)[:-keep_last]:
-        os.remove(old)
-    return path
 
 
 def step_files(ckpt_dir: str) -> list[str]:

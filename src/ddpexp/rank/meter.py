@@ -29,7 +29,7 @@ class Meter:
         self.items_name, self.items = items, torch.zeros((), dtype=torch.float64, device=device)
         self.last = (time.perf_counter(), step)  # (time, step) of the last log line
         self.first_bad = torch.full((), NEVER, dtype=torch.int64, device=device)
-        self.warned = False
+        self.warned, self.spoilt = False, False
 
     def add(self, loss: torch.Tensor, items: Any, step: int) -> None:
         self.loss += loss
@@ -37,14 +37,17 @@ class Meter:
             self.items += items
         self.first_bad = torch.where(torch.isfinite(loss), self.first_bad, self.first_bad.clamp(max=step))
 
-    def check_finite(self, cfg: Config, job: Job, step: int, value: float = float("nan")) -> None:
-        """Every rank: stop (or warn) if any rank's loss was not finite at a step since the run began."""
-        if self.warned:
-            return
+    def check_finite(self, cfg: Config, job: Job, step: int, value: float = float("nan")) -> bool:
+        """Every rank: stop (or warn) if any rank's loss was not finite at a step since the run began. Returns
+        whether every loss was (on_nonfinite=warn trains on with weights that are no one's best)."""
+        if self.spoilt:
+            return False
         bad = self.first_bad.clone()
         dist.all_reduce(bad, op=dist.ReduceOp.MIN)
         if int(bad) != NEVER:
+            self.spoilt = True
             self.nonfinite(cfg, job, "train/loss", value, int(bad), step)
+        return not self.spoilt
 
     def nonfinite(self, cfg: Config, job: Job, key: str, value: float, bad_step: int, step: int) -> None:
         """Every rank reaches this at the same step (the values were reduced): stop, or say so once and go on."""

@@ -1,6 +1,6 @@
 """What a run saves to continue exactly, and how it continues: its position (epoch, batches consumed, steps), the
-weights, optimizer, schedule and scaler, every rank's RNG streams and pending loss sum, the config and the W&B
-run id; and, at start, the choice of checkpoint."""
+weights, optimizer, schedule and scaler, every rank's RNG streams and pending loss sum, the best evaluation and
+early stopping's count, the config and the W&B run id; and, at start, the choice of checkpoint."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ class Resumed:
     path: str
     own: bool  # this job's own checkpoint: its record and W&B run continue (resume=PATH starts new ones)
     position: Position
-    state: dict[str, Any]  # model, optimizer, scheduler, scaler, final, wandb_id; this rank's rng and loss_sum
+    state: dict[str, Any]  # model, optimizer, scheduler, scaler, final, best, wandb_id; this rank's rng and loss_sum
 
 
 class Checkpointer:
@@ -45,7 +45,11 @@ class Checkpointer:
         self.cfg, self.job, self.tracker = cfg, job, tracker
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
 
-    def save(self, position: Position, pending_loss: torch.Tensor, final: dict[str, float]) -> str:
+    def save(
+        self, position: Position, pending_loss: torch.Tensor, final: dict[str, float], best: dict[str, Any],
+        as_best: bool = False,
+    ) -> str:  # fmt: skip
+        """The next step-N.pt (rotated), or with `as_best` best.pt (kept). Returns its path on rank 0, else ''."""
         per_rank = distributed.all_gather((checkpoint.rng_state(), pending_loss.detach().cpu().clone()))
         if dist.get_rank() != 0:
             return ""
@@ -62,10 +66,13 @@ class Checkpointer:
             "rng": [rng for rng, _ in per_rank],
             "loss_sum": [loss for _, loss in per_rank],
             "final": dict(final),
+            "best": best,
             "config": self.job.config_yaml,
             "config_sha256": self.job.config_sha256,
             "wandb_id": getattr(self.tracker, "wandb_id", None),
         }
+        if as_best:
+            return checkpoint.save_best(state, self.job.checkpoint_dir)
         return checkpoint.save(state, self.job.checkpoint_dir, position.step, self.cfg.keep_last_checkpoints)
 
 

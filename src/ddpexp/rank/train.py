@@ -1,12 +1,13 @@
 """The one DDP train loop, top to bottom: build the run's parts, restore a checkpoint, then epochs of optimizer
-steps (logging, stop signals, checkpoints) each ended by an exact evaluation. The task (ddpexp.tasks) computes
-the loss and the metrics; the loop never looks inside a batch."""
+steps (logging, stop signals, checkpoints) each ended by an exact evaluation, the best checkpoint and early
+stopping. The task (ddpexp.tasks) computes the loss and the metrics; the loop never looks inside a batch."""
 
 from __future__ import annotations
 
 import itertools
 import logging
 import math
+import os
 import random
 import sys
 import time
@@ -24,10 +25,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpexp.config import Config
 from ddpexp.exceptions import ConfigError, Stopped
 from ddpexp.job import Job
-from ddpexp.parts.loaders import train_loader
+from ddpexp.parts.loaders import train_loader, warn_about_sizes
 from ddpexp.parts.optim import build_optimizer, call_accepting
-from ddpexp.parts.tasks import check_loss, samples, to_device
+from ddpexp.parts.tasks import check_loss, directions, objective_mode, samples, to_device
 from ddpexp.rank import checkpoint, distributed, speed
+from ddpexp.rank.best import Best, check_objective
 from ddpexp.rank.debug import DebugFaults
 from ddpexp.rank.evaluation import evaluate
 from ddpexp.rank.meter import Meter
@@ -110,6 +112,9 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
     rank, world_size = dist.get_rank(), dist.get_world_size()
     p = build(cfg, device, resumed)
     task, loader, total_steps, optimizer = p.task, p.loader, p.total_steps, p.optimizer
+    # Which way the objective (and each metric) is better, for the record: `ddpexp report` sorts by it. The
+    # parent's check, again on the task the ranks built.
+    objective = {"name": cfg.objective, "mode": objective_mode(task, p.task_name, cfg.objective, cfg.objective_mode)}
 
     # Restore: the weights are in; now the optimizer, schedule, position, pending loss and (below) RNG streams.
     pos, final = Position(), {}
@@ -119,6 +124,9 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
         log.info(
             "rank %d resumed from %s: step %d, epoch %d, batch %d", rank, resumed.path, pos.step, pos.epoch, pos.batch
         )
+    best = Best.restore(objective["mode"], resumed.state.get("best") if resumed is not None else None)
+    if resumed is None and rank == 0:
+        checkpoint.drop_best(job.checkpoint_dir)
     meter = Meter(device, pos.last_log_step, getattr(task, "items", "items") if hasattr(task, "count") else None)
     meter.loss += resumed.state["loss_sum"] if resumed is not None else 0.0
     checkpointer = Checkpointer(cfg, job, p.model, optimizer, p.scheduler, p.scaler, tracker)
@@ -126,12 +134,12 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
     agreement = distributed.StepAgreement(control, p.n_batches)
     debug = DebugFaults(cfg.debug, rank, resumed=resumed is not None)
 
-    def save(position: Position) -> str:
+    def save(position: Position, as_best: bool = False) -> str:
         meter.check_finite(cfg, job, position.step)  # never a checkpoint of weights that a NaN step has spoilt
-        return checkpointer.save(position, meter.loss, final)
+        return checkpointer.save(position, meter.loss, final, best.state(), as_best)
 
     # Epochs of optimizer steps.
-    step, first_step_at, scored = pos.step, None, None
+    step, first_step_at, scored, stopped_early = pos.step, None, None, False
     epoch = pos.epoch - 1  # epochs run = epoch + 1, also when a finished run is resumed
     for epoch in range(pos.epoch, cfg.epochs):
         if step >= total_steps:
@@ -144,7 +152,7 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
         if resumed is not None and epoch == pos.epoch and skip > 0:
             checkpoint.set_rng_state(resumed.state["rng"])  # after that draw, which it made before the checkpoint
         p.ddp.train()
-        consumed = skip  # micro-batches of this epoch behind us
+        consumed, due = skip, False  # micro-batches of this epoch behind us; a step checkpoint left to its end
         while step < total_steps:
             # One step: its micro-batches on the device, the ranks' agreement (stop? epoch over? how many samples?),
             # forward/backward of each, weighted by its share of the step's items, then the optimizer.
@@ -172,7 +180,11 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
                 path = save(Position(epoch, consumed, step, meter.last[1]))
                 raise Stopped(stop.signame or "a rank's stop signal", reason == REQUEUE, step, path)
             if cfg.checkpoint_every_n_steps and step % cfg.checkpoint_every_n_steps == 0 and step < total_steps:
-                save(Position(epoch, consumed, step, meter.last[1]))
+                # At the epoch's last step it is written after the epoch's evaluation (below), so it holds it: a
+                # run resumed from it neither records that evaluation again nor counts it twice for the patience.
+                due = consumed >= (p.n_batches or sys.maxsize)
+                if not due:
+                    save(Position(epoch, consumed, step, meter.last[1]))
 
         # The epoch's end: an exact evaluation, then a checkpoint. Stopped by max_steps inside the epoch, the
         # checkpoint keeps that position, so a larger max_steps continues with the epoch's next batch.
@@ -192,10 +204,27 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
                 if not math.isfinite(value):
                     meter.nonfinite(cfg, job, key, value, step, step)
             log.info("epoch %d step %d: %s", epoch, step, " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        if last_epoch or (cfg.checkpoint_every_n_epochs and (epoch + 1) % cfg.checkpoint_every_n_epochs == 0):
+            # The best evaluation and the patience, decided from the all-reduced metrics: the same on every rank.
+            sound = meter.check_finite(cfg, job, step)  # weights a NaN step has spoilt are never the best
+            if best.update(final.get(cfg.objective) if sound else None, step, epoch, cfg.early_stop.min_delta):
+                best.checkpoint = os.path.join(job.checkpoint_dir, checkpoint.BEST)
+                save(position, as_best=True)
+            best.check_agreement()
+            stopped_early = best.should_stop(cfg.early_stop)
+            if stopped_early:
+                log.info("early stop at step %d: %s has not improved for %d evaluations (best %.6g at step %d)",
+                         step, cfg.objective, best.since, best.value, best.step)  # fmt: skip
+        every_n_epochs = cfg.checkpoint_every_n_epochs and (epoch + 1) % cfg.checkpoint_every_n_epochs == 0
+        if last_epoch or stopped_early or due or every_n_epochs:
             save(position)
+        if stopped_early:
+            break
 
-    result: dict[str, Any] = {"final": final, "steps": step, "epochs": epoch + 1, "val_samples": _length(p.splits.val)}
+    result: dict[str, Any] = {"final": final, "objective": objective, "steps": step, "epochs": epoch + 1}
+    result.update(best=best.record(), stopped_early=stopped_early)
+    if cfg.early_stop.patience is not None:
+        result["early_stop"] = best.early_stop_record(cfg.early_stop, step if stopped_early else None)
+    result.update(directions=directions(task), val_samples=_length(p.splits.val))
     result.update(val_scored=scored, data_path=type(loader).__name__, precision=p.precision)
     result.update(channels_last=p.channels_last, ddp_buckets=_bucket_sizes(p.ddp))
     result["first_step_at"] = first_step_at  # unix time the first optimizer step of this attempt ended
@@ -246,31 +275,6 @@ def optimizer_step(cfg: Config, p: Parts, group: list[Any], divisors: list[Any])
     p.scaler.update()
     p.optimizer.zero_grad(set_to_none=True)
     return total
-
-
-def check_objective(cfg: Config, final: dict[str, float]) -> None:
-    """`objective` must name a metric the run records; the parent checks it where the data's shape is known."""
-    if cfg.objective not in final and cfg.objective != "train/loss":
-        raise ConfigError(f"objective={cfg.objective}: the run logs no such metric; it logs {', '.join(sorted(final))}")
-
-
-def warn_about_sizes(n: int | None, world_size: int, batch_size: int) -> None:
-    """Sizes that train, but not as the user likely meant: DistributedSampler pads every rank's shard to the same
-    length with repeated samples, and a batch larger than a shard is one short step per epoch."""
-    if n is None or n == 0:
-        return
-    shard = -(-n // world_size)
-    padding = shard * world_size - n
-    if padding * 10 > shard * world_size:
-        log.warning(
-            "warning: %d train samples on %d ranks: DistributedSampler pads the shards with %d repeated samples, "
-            "%d%% of every epoch", n, world_size, padding, round(100 * padding / (shard * world_size)),
-        )  # fmt: skip
-    if batch_size > shard:
-        log.warning(
-            "warning: batch_size=%d is more than each rank's %d train samples: one step per epoch, of %d samples a rank",
-            batch_size, shard, shard,
-        )  # fmt: skip
 
 
 def seed_everything(seed: int) -> None:

@@ -16,11 +16,13 @@ from ddpexp.report.records import (
     find_jobs,
     fmt,
     fmt_param,
+    guess_direction,
     is_job_dir,
     load_job,
     natural,
     objective_value,
     read_yaml,
+    recorded_direction,
 )
 
 FILES = ("report.md", "report.csv", "report_curves.png", "report_objective.png")
@@ -110,9 +112,9 @@ def build(paths: list[str], objective: str | None, direction: str | None) -> dic
     facts = sweep_facts(paths, job_dirs)
     own = next((str(j.config["objective"]) for j in jobs if "objective" in j.config), "val/acc")
     asked, objective = objective, objective or own
-    if direction is None:  # the sweeper's direction is about the jobs' own objective, not another metric
+    if direction is None:  # the records' mode; else the sweeper's, about the jobs' own objective; else the name's
         swept_direction = facts.get("direction") if objective == own else None
-        direction = swept_direction or ("minimize" if objective.endswith("loss") else "maximize")
+        direction = recorded_direction(jobs, objective) or swept_direction or guess_direction(objective)
     jobs = sort_jobs(jobs, objective, direction == "maximize")
     seen = {k for j in jobs for k in j.final}
     known = sorted(seen or {"train/loss", "val/loss", "val/acc"})  # nothing finished: the usual names only
@@ -179,7 +181,8 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("paths", nargs="+", metavar="PATH", help="a multirun dir, or several run dirs")
     parser.add_argument("--objective", help="metric to sort by: any the jobs logged (default: the jobs' `objective`)")
-    parser.add_argument("--direction", choices=("maximize", "minimize"), help="default: the sweeper's, else by name")
+    parser.add_argument("--direction", choices=("maximize", "minimize"),
+                        help="default: the jobs' recorded objective mode, else the sweeper's, else by name")  # fmt: skip
     parser.add_argument("--out", help="where the files go (default: the multirun dir, or the runs' common parent)")
     args = parser.parse_args(argv)
     try:

@@ -57,6 +57,15 @@ def colours(n: int) -> list[Any]:
 def curves(path: str, r: dict[str, Any]) -> None:
     import matplotlib.pyplot as plt
 
+    fig = curves_figure(r)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def curves_figure(r: dict[str, Any]) -> Any:
+    """The best job (first, as sorted by the objective's direction) drawn bold."""
+    import matplotlib.pyplot as plt
+
     jobs = r["jobs"]
     metrics = curve_metrics(r)
     fig, axes = plt.subplots(1, len(metrics), figsize=(11, 4.2), layout="constrained", squeeze=False)
@@ -84,8 +93,7 @@ def curves(path: str, r: dict[str, Any]) -> None:
     fig.legend(handles, labels, loc="outside lower center", ncol=2 if len(handles) > 4 else 1, fontsize=8,
                frameon=False, title=f"jobs, best {r['objective']} first (X: stopped there)", title_fontsize=8)  # fmt: skip
     fig.suptitle(f"{len(jobs)} job(s) in {os.path.basename(r['out_dir'])}", fontsize=10)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
 
 
 def objective(path: str, r: dict[str, Any]) -> None:

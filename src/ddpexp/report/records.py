@@ -15,6 +15,7 @@ from ddpexp.exceptions import ReportError
 from ddpexp.job import read_json
 
 NOT_METRICS = ("step", "epoch", "lr")  # a metrics.jsonl row's other keys; throughput keys end in _per_s
+DIRECTIONS = {"min": "minimize", "max": "maximize"}  # summary.json's objective mode -> the report's (Optuna's) word
 
 
 def is_metric(key: str) -> bool:
@@ -36,6 +37,8 @@ class JobRecord:
     wall_time_s: float | None = None
     world_size: int | None = None
     config: dict[str, Any] = field(default_factory=dict)  # .hydra/config.yaml
+    objective: dict[str, Any] = field(default_factory=dict)  # summary.json's {name, mode}; older records have none
+    directions: dict[str, str] = field(default_factory=dict)  # summary.json's: each metric's, as the task declares
 
 
 def is_job_dir(path: str) -> bool:
@@ -86,8 +89,22 @@ def load_job(job_dir: str, name: str) -> JobRecord:
     return JobRecord(
         job_dir, name, overrides, str(summary.get("status", "?")), dict(summary.get("final") or {}), rows,
         error=summary.get("error"), steps=summary.get("steps"), wall_time_s=summary.get("wall_time_s"),
-        world_size=summary.get("world_size"), config=config,
+        world_size=summary.get("world_size"), config=config, objective=dict(summary.get("objective") or {}),
+        directions=dict(summary.get("directions") or {}),
     )  # fmt: skip
+
+
+def recorded_direction(jobs: list[JobRecord], metric: str) -> str | None:
+    """minimize or maximize, as the jobs' records say for `metric`: the run's objective_mode when it is their
+    objective, else its task's declared direction; None when no record says (records older than both)."""
+    modes = [j.objective.get("mode") for j in jobs if j.objective.get("name") == metric]
+    modes += [j.directions.get(metric) for j in jobs]
+    return next((DIRECTIONS[m] for m in modes if m in DIRECTIONS), None)
+
+
+def guess_direction(objective: str) -> str:
+    """For records that hold no mode: a name ending in loss is minimized, anything else maximized."""
+    return "minimize" if objective.endswith("loss") else "maximize"
 
 
 def objective_value(job: JobRecord, objective: str) -> float | None:
