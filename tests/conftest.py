@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -204,6 +205,11 @@ def free_port_block(n: int) -> int:
 
 
 CLUSTER = ROOT / "tests" / "slurm" / "cluster.sh"
+
+
+def scontrol_job(job_id: str, env: dict[str, str]) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
 @pytest.fixture(scope="session")

@@ -171,3 +171,14 @@ def test_speed_defaults_are_fp32_on_cpu_and_fast_on_cuda(monkeypatch: pytest.Mon
     adamw = partial(torch.optim.AdamW, lr=1e-3)
     assert fused_kwargs(adamw, gpu) == {"fused": True} and fused_kwargs(adamw, CPU) == {}
     assert fused_kwargs(partial(torch.optim.AdamW, foreach=True), gpu) == {}  # the config chose
+
+
+def test_digits_are_scikit_learns_load_digits() -> None:
+    """The digits are read from scikit-learn's own file without importing it: the same images and labels."""
+    from sklearn.datasets import load_digits
+
+    from ddpexp.parts.data import _digits_arrays
+
+    images, target = _digits_arrays()
+    ref = load_digits()
+    assert images.shape == (1797, 8, 8) and (images == ref.images).all() and (target == ref.target).all()

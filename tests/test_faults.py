@@ -185,9 +185,9 @@ def test_a_hung_rank_is_ended_by_the_collective_timeout(tmp_path: Path) -> None:
     assert read_summary(tmp_path / "job")["status"] == "failed"
 
 
-def test_four_concurrent_jobs_per_launcher_never_collide_on_a_port(tmp_path: Path) -> None:
+def test_concurrent_jobs_of_each_launcher_never_collide_on_a_port(tmp_path: Path) -> None:
     procs = []
-    for i, launcher in enumerate(["spawn", "torchrun"] * 4):
+    for i, launcher in enumerate(["spawn", "torchrun"] * 2):
         args = [
             f"launcher={launcher}",
             "gpus=2",
@@ -198,8 +198,8 @@ def test_four_concurrent_jobs_per_launcher_never_collide_on_a_port(tmp_path: Pat
         ]
         procs.append(start(args, tmp_path))
     results = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0] * 8, [err[-2000:] for _, err in results]
-    assert all(read_summary(tmp_path / f"j{i}")["steps"] == 3 for i in range(8))
+    assert [p.returncode for p in procs] == [0] * 4, [err[-2000:] for _, err in results]
+    assert all(read_summary(tmp_path / f"j{i}")["steps"] == 3 for i in range(4))
 
 
 def test_uneven_per_rank_batches_end_together(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ launcher (examples/myproject: launcher=nice, which wraps spawn) and on one an in
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,25 +13,41 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, ddpexp_env, read_summary, run_ddpexp
+from conftest import ROOT, ddpexp_env, read_summary, run_ddpexp, scontrol_job
 from ddpexp.launchers import launcher_modules
 from ddpexp.testing import LauncherContract
 
 EXAMPLE = ROOT / "examples" / "myproject"
 
 
+def slurm_failed(self: LauncherContract, proc: subprocess.CompletedProcess[str], job: Path) -> None:
+    """Slurm's state of the failed job, as the command says and as scontrol says."""
+    assert "line" in proc.stderr  # the traceback's tail
+    job_id = re.search(r"submitted Slurm job (\d+)", proc.stdout).group(1)  # type: ignore[union-attr]
+    assert f"Slurm job {job_id} ended FAILED" in proc.stdout
+    assert scontrol_job(job_id, self.slurm_env)["JobState"] == "FAILED"
+
+
+def slurm_env(self: LauncherContract, slurm: dict[str, str]) -> dict[str, str]:
+    self.slurm_env = {**ddpexp_env(), **slurm}  # type: ignore[attr-defined]
+    return self.slurm_env  # type: ignore[attr-defined]
+
+
 def contract_for(name: str, module: str) -> type:
     """A LauncherContract subclass for one of ddpexp's launchers, found as ddpexp finds them (not a fixed list)."""
     attrs: dict[str, object] = {"launcher": name, "module": module, "overrides": ("device=cpu",)}
     if name == "slurm":  # on the local test cluster (tests/slurm/cluster.sh)
-        attrs["launcher_env"] = pytest.fixture(lambda self, slurm: {**ddpexp_env(), **slurm})
+        attrs["launcher_env"] = pytest.fixture(slurm_env)
         attrs["overrides"] = ("device=cpu", "launcher.poll_interval_s=0.5")
         attrs["pytestmark"] = [pytest.mark.slurm, pytest.mark.slow]
     else:
         attrs["launcher_env"] = pytest.fixture(lambda self: ddpexp_env())
         attrs["pytestmark"] = [pytest.mark.slow]
-    if name == "env":  # each rank a command that torchrun starts
+    if name == "env":  # each rank a command that torchrun starts (each shows its failure, and torchrun its own)
         attrs["starter"] = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+        attrs["tracebacks_shown"] = None
+    if name == "slurm":
+        attrs["check_failed"] = slurm_failed
     return type(f"TestContract{name.title()}", (LauncherContract,), attrs)
 
 

@@ -37,6 +37,7 @@ class LauncherContract:
     config_dir: str | None = None  # the project's config dir holding conf/launcher/NAME.yaml; None: installed
     overrides: tuple[str, ...] = ()  # what this launcher needs besides TINY (e.g. device=cpu)
     starter: tuple[str, ...] = ()  # what starts the command, if not itself: an outside launcher (torchrun's args)
+    tracebacks_shown: int | None = 1  # a failing rank's traceback, shown once (None: the starter prints its own)
     timeout_s: float = 240
 
     @pytest.fixture
@@ -92,5 +93,11 @@ class LauncherContract:
         assert (
             "ddpexp: error: rank 1 failed: RuntimeError: debug.fail_at_step=2: rank 1 fails on purpose" in proc.stderr
         )
+        if self.tracebacks_shown is not None:
+            assert proc.stderr.count("Traceback (most recent call last)") == self.tracebacks_shown, proc.stderr
         summary = json.loads((tmp_path / "job" / "summary.json").read_text())
         assert summary["status"] == "failed" and "rank 1 fails on purpose" in summary["error"]
+        self.check_failed(proc, tmp_path / "job")
+
+    def check_failed(self, proc: subprocess.CompletedProcess[str], job: Path) -> None:
+        """More checks of the failed job above, for a launcher's own tests (its scheduler's state, say)."""
