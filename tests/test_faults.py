@@ -134,7 +134,10 @@ def test_a_second_ctrl_c_exits_at_once_and_takes_the_ranks_down(tmp_path: Path, 
     job = tmp_path / "job"
     proc = start([f"launcher={launcher}", *COMMON, "debug.step_delay_s=5", f"hydra.run.dir={job}"], tmp_path)
     try:
-        wait_for_step(job, 2, proc)
+        deadline = time.time() + 90  # until the ranks train (their first step then takes 5 s)
+        while time.time() < deadline and proc.poll() is None and "steps/epoch" not in log_of(job):
+            time.sleep(0.2)
+        time.sleep(0.5)
         ranks = [pid for kid in children_of(proc.pid) for pid in [kid, *children_of(kid)]]
         os.killpg(proc.pid, signal.SIGINT)
         time.sleep(0.5)
@@ -146,6 +149,11 @@ def test_a_second_ctrl_c_exits_at_once_and_takes_the_ranks_down(tmp_path: Path, 
     assert "interrupted again: ranks stopped at once" in err
     time.sleep(2)
     assert len(ranks) >= 2 and [p for p in ranks if alive(p)] == []
+
+
+def log_of(job: Path) -> str:
+    log = job / "logs" / "rank0.log"
+    return log.read_text() if log.exists() else ""
 
 
 def test_sigkills_at_random_moments_then_resume_ends_bit_equal(tmp_path: Path, reference: Path) -> None:
