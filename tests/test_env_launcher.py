@@ -250,3 +250,14 @@ def test_gpus_must_agree_with_the_world(monkeypatch: pytest.MonkeyPatch) -> None
     cfg = make_config("launcher=env", "device=cpu")
     env.resolve(cfg)
     assert cfg.gpus == 1
+
+
+def test_a_job_dir_this_host_cannot_see_is_one_line(tmp_path: Path) -> None:
+    from ddpexp.exceptions import ConfigError
+    from ddpexp.launchers.env import check_visible
+
+    check_visible(str(tmp_path), 0.1)
+    with pytest.raises(
+        ConfigError, match=rf"rank 0's job dir {tmp_path / 'elsewhere'} is not visible on .* after 0.2 s"
+    ):
+        check_visible(str(tmp_path / "elsewhere"), 0.2)

@@ -73,10 +73,31 @@ def job_dir(lcfg: Any, proposed: str) -> JobDir:
         store.set(key, agreed)
         return JobDir(agreed, leader=True, keep=store)
     try:
-        return JobDir(store.get(key).decode(), leader=False, keep=store)
+        agreed = store.get(key).decode()
     except RuntimeError as e:  # timed out: rank 0 never got this far (its command failed, or is another job's)
         raise ConfigError(f"launcher=env: rank 0 named no job dir within launcher.job_dir_timeout_s="
                           f"{lcfg.job_dir_timeout_s} s ({str(e).splitlines()[0]})") from None  # fmt: skip
+    check_visible(agreed, VISIBLE_WAIT_S)
+    return JobDir(agreed, leader=False, keep=store)
+
+
+VISIBLE_WAIT_S = 30.0  # rank 0 makes the dir just after naming it; a network filesystem may show it a bit later
+
+
+def check_visible(job_dir: str, wait_s: float) -> None:
+    """A rank on another host must see rank 0's job dir (checkpoints to resume from, the record): one line if it
+    does not appear here within `wait_s`."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while not os.path.isdir(job_dir):
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"launcher=env: rank 0's job dir {job_dir} is not visible on {socket.gethostname()} after {wait_s:g} s;"
+                " with ranks on several hosts the job dir must be on storage they all see (set hydra.run.dir=)"
+            )
+        time.sleep(0.1)
 
 
 def first_attempt_dir(world: World, proposed: str) -> str:
