@@ -233,3 +233,15 @@ def test_hosts_are_looked_up_by_the_parent_not_when_a_config_is_built(schema: ty
     with pytest.raises(ConfigError) as e:
         launcher.check_hosts()
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_version_is_ddpexp_s_own(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`ddpexp --version` is the installed ddpexp's version, not Hydra's (hydra.main's own --version flag)."""
+    from importlib.metadata import version
+
+    from ddpexp.cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["ddpexp", "--version"])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    assert exit_.value.code in (0, None) and capsys.readouterr().out == f"ddpexp {version('ddpexp')}\n"

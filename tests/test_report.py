@@ -163,6 +163,18 @@ def test_several_run_dirs_report_into_their_common_folder(sweep: Path, capsys: p
         ]
 
 
+def test_a_glob_that_matches_an_earlier_report_s_files_reports_again(sweep: Path) -> None:
+    """`ddpexp report outputs/DATE/*` twice: the second glob also matches report.csv, report.md and the plots the
+    first one wrote there; they are skipped, not taken for missing job dirs."""
+    runs = [str(sweep / name) for name in ("0", "1")]
+    assert report_main(runs) == 0
+    again = sorted(str(p) for p in sweep.iterdir() if p.name in ("0", "1") or p.suffix in (".csv", ".md", ".png"))
+    assert len(again) > len(runs)
+    assert report_main(again) == 0
+    with open(sweep / "report.csv", newline="") as f:
+        assert sorted(r["job"] for r in csv.DictReader(f)) == ["0", "1"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

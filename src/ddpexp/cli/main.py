@@ -14,6 +14,11 @@ def main() -> None:
         from ddpexp.report.main import main as report_main
 
         sys.exit(report_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["--version"]:  # hydra.main's own --version names Hydra's version
+        from importlib.metadata import version
+
+        print(f"ddpexp {version('ddpexp')}")
+        sys.exit(0)
     from ddpexp.cli import hydra_patches, project
     from ddpexp.cli.command import Command
     from ddpexp.parent.outside import with_outside_launcher

@@ -46,9 +46,13 @@ def is_job_dir(path: str) -> bool:
 
 
 def find_jobs(paths: list[str]) -> list[str]:
-    """Job dirs under each PATH: the PATH itself when it is one, else every job dir below it (a multirun dir)."""
+    """Job dirs under each PATH: the PATH itself when it is one, else every job dir below it (a multirun dir). A
+    file among several PATHs is skipped: `ddpexp report outputs/DATE/*` also matches the report files an earlier
+    report wrote into that folder."""
     found: list[str] = []
     for path in paths:
+        if len(paths) > 1 and os.path.isfile(path):
+            continue
         if not os.path.isdir(path):
             raise ReportError(f"{path}: no such directory")
         if is_job_dir(path):
@@ -63,6 +67,8 @@ def find_jobs(paths: list[str]) -> list[str]:
         if not jobs:
             raise ReportError(f"{path}: neither a job dir nor a multirun dir (no summary.json, .hydra/ or job dirs)")
         found += sorted(jobs, key=natural)
+    if not found:  # every PATH a file
+        raise ReportError(f"{paths[0]}: not a directory (a job dir or a multirun dir)")
     return list(dict.fromkeys(found))
 
 
