@@ -294,3 +294,14 @@ def test_slurm_without_sbatch_or_submitit_is_refused(tmp_path: Path) -> None:
     assert proc.returncode == 2 and proc.stderr.startswith(
         "ddpexp: error: launcher=slurm needs submitit: pip install submitit"
     )
+
+
+def test_a_slurm_plan_without_sbatch_is_the_same_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """plan=true shows submitit's sbatch script, which submitit builds only where Slurm is ("Could not detect
+    srun"): without sbatch on PATH a plan is refused as the run is."""
+    from ddpexp.launchers import slurm
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    cfg = make_config("launcher=slurm", "device=cpu", "plan=true")
+    with pytest.raises(ConfigError, match="^launcher=slurm: sbatch not found on PATH; run this on a Slurm login node$"):
+        slurm.resolve(cfg)

@@ -116,7 +116,8 @@ def resolve(cfg: Any) -> None:
     """Pin `device` (and `gpus`) from what Slurm says the partition's nodes have, sinfo's GRES: with device=auto,
     nodes without GPUs run CPU ranks (asked for GPUs there, sbatch refuses: "Invalid generic resource")."""
     _submitit()
-    if not cfg.plan and shutil.which("sbatch") is None:
+    # plan=true too: submitit writes its sbatch script only where Slurm is (it looks for srun)
+    if shutil.which("sbatch") is None:
         raise ConfigError("launcher=slurm: sbatch not found on PATH; run this on a Slurm login node")
     if cfg.device == "auto" and cfg.launcher.gpus_per_node == 0:  # asks for no GPUs: CPU ranks
         cfg.device = "cpu"
