@@ -305,3 +305,23 @@ def test_a_slurm_plan_without_sbatch_is_the_same_line(monkeypatch: pytest.Monkey
     cfg = make_config("launcher=slurm", "device=cpu", "plan=true")
     with pytest.raises(ConfigError, match="^launcher=slurm: sbatch not found on PATH; run this on a Slurm login node$"):
         slurm.resolve(cfg)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.hiden=64", "model.hiden: no such key (did you mean model.hidden?); "
+         "`+model.hiden=...` would add it as a new argument of model's _target_"),
+        ("optimizer.lrr=0.1", "optimizer.lrr: no such key (did you mean optimizer.lr?); "
+         "`+optimizer.lrr=...` would add it as a new argument of optimizer's _target_"),
+        ("optimzer.lr=1", "optimzer.lr: no such key (did you mean optimizer.lr?)"),
+    ],
+)  # fmt: skip
+def test_a_nested_typo_names_the_key_that_exists(override: str, message: str) -> None:
+    """Hydra's advice for a key a group's YAML lacks is `+KEY=...` (hydra#1912), which adds the typo as an
+    argument the _target_ then refuses: name the closest existing key instead."""
+    from ddpexp.cli.errors import config_message
+
+    with pytest.raises(Exception) as refused:
+        make_config(override)
+    assert config_message(refused.value) == message

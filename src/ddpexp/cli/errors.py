@@ -4,6 +4,7 @@ verdicts reach Python callers of `ddpexp.run` as exceptions: ConfigError, RunFai
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import sys
@@ -111,9 +112,24 @@ def unknown_key(error: BaseException) -> str | None:
     if found is None or "Key '" not in text:  # the key is not in the schema (not a bad value for it)
         return None
     key = found.group(1)
-    if key.split(".")[0] in (*FREE, "hydra"):  # a new argument for a _target_, or Hydra's own: its `+` advice holds
+    head = key.split(".")[0]
+    if head in FREE:  # `+` would add a new argument for its _target_: the advice holds unless a key is close
+        return _closest_argument(key, getattr(error.__cause__, "parent_node", None))
+    if head == "hydra":  # Hydra's own: its `+` advice holds
         return None
     return f"{key}: no such key{closest_key(key)}"
+
+
+def _closest_argument(key: str, node: Any) -> str | None:
+    """A typo of a key the group's option has (`model.hiden` for `model.hidden`), from the node Hydra looked in."""
+    known = [str(k) for k in node.keys()] if hasattr(node, "keys") else []
+    match = difflib.get_close_matches(key.rpartition(".")[2], known, n=1)
+    if not match:
+        return None
+    return (
+        f"{key}: no such key (did you mean {key.rpartition('.')[0]}.{match[0]}?); "
+        f"`+{key}=...` would add it as a new argument of {key.split('.')[0]}'s _target_"
+    )
 
 
 def job_dir_error(error: BaseException) -> str | None:
