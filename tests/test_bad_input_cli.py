@@ -245,3 +245,22 @@ def test_version_is_ddpexp_s_own(monkeypatch: pytest.MonkeyPatch, capsys: pytest
     with pytest.raises(SystemExit) as exit_:
         main()
     assert exit_.value.code in (0, None) and capsys.readouterr().out == f"ddpexp {version('ddpexp')}\n"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["model=resnet2,mlp"], "ddpexp: error: In 'config': Could not find 'model/resnet2'. Available options in "
+         "'model': cnn, gpt, mlp, resnet101, resnet18, resnet50"),
+        (["optimzer.lr=1,2"], "ddpexp: error: optimzer.lr: no such key (did you mean optimizer.lr?)"),
+    ],
+)  # fmt: skip
+def test_a_sweep_refused_before_its_jobs_is_one_line_and_leaves_no_sweep_dir(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    """The basic sweeper writes multirun/DATE/TIME/multirun.yaml before it composes a job; a missing option is
+    Hydra's MissingConfigException, an OSError too, not a sweep dir that could not be made."""
+    proc = run_ddpexp("-m", *args, cwd=tmp_path, check=False, timeout=60)
+    assert (proc.returncode, proc.stderr.strip()) == (2, message), proc.stderr
+    assert list(tmp_path.iterdir()) == []

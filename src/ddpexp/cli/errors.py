@@ -137,7 +137,8 @@ def job_dir_error(error: BaseException) -> str | None:
     path and why, in one line; None for any other error (an OSError of the job itself is a failure, not this).
     Bad input like any other (exit 2): nothing started."""
     cause = error if isinstance(error, OSError) else error.__cause__  # a log file: logging's ValueError from it
-    if not isinstance(cause, OSError):
+    # Hydra's MissingConfigException (a missing option, `-m model=resnet2,mlp`) is an IOError too
+    if not isinstance(cause, OSError) or is_config_error(cause):
         return None
     import hydra
 

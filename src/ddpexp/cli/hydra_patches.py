@@ -172,7 +172,8 @@ def _remove_if_only_hydras(job_dir: str, output_subdir: str, job_name: str) -> N
 
 def _sweeper_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., Any]:
     """The basic sweeper rewrites the sweep dir's multirun.yaml first thing (basic_sweeper.py BasicSweeper.sweep,
-    L164, before it checks the batch or launches; the file is PR hydra#576's): put it back if no job then ran. Its
+    L164, before it checks the batch or launches; the file is PR hydra#576's): put it back if no job then ran, or
+    remove it and the dirs made for it when it is all this command left there (a sweep refused as a whole). Its
     class is re-created when Hydra scans its plugins, so the sweeper is wrapped as Hydra makes it. A plan of a
     search whose trials depend on earlier results, and a sweeper `direction` against the objective's mode, are
     refused here, before the search begins (hydra/_internal/hydra.py Hydra.multirun instantiates the sweeper, with
@@ -190,13 +191,15 @@ def _sweeper_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., 
             )
         check_sweeper_direction(config)
         sweeper = original(self, **kwargs)
-        sweep, path = sweeper.sweep, os.path.join(str(kwargs["config"].hydra.sweep.dir), "multirun.yaml")
+        sweep_dir = os.path.abspath(str(kwargs["config"].hydra.sweep.dir))
+        sweep, path = sweeper.sweep, os.path.join(sweep_dir, "multirun.yaml")
 
         def guarded_sweep(arguments: list[str]) -> Any:
             earlier = None
             if os.path.isfile(path):
                 with open(path, "rb") as f:
                     earlier = f.read()
+            existing = _first_existing(sweep_dir)
             launched = len(cmd.launched)
             try:
                 return sweep(arguments)
@@ -204,11 +207,33 @@ def _sweeper_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., 
                 if earlier is not None and len(cmd.launched) == launched:
                     with open(path, "wb") as f:
                         f.write(earlier)
+                elif earlier is None and len(cmd.launched) == launched:
+                    _remove_made_for_nothing(sweep_dir, existing)
 
         sweeper.sweep = guarded_sweep
         return sweeper
 
     return _instantiate_sweeper
+
+
+def _first_existing(path: str) -> str:
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _remove_made_for_nothing(sweep_dir: str, existing: str) -> None:
+    """A sweep dir holding only the multirun.yaml this command wrote, and the empty dirs made above it up to
+    `existing` (multirun/DATE/), are removed."""
+    try:
+        if os.listdir(sweep_dir) != ["multirun.yaml"]:
+            return
+        os.remove(os.path.join(sweep_dir, "multirun.yaml"))
+        while sweep_dir != existing and not os.listdir(sweep_dir):
+            os.rmdir(sweep_dir)
+            sweep_dir = os.path.dirname(sweep_dir)
+    except OSError:  # gone already, or not ours to remove
+        pass
 
 
 def _without_schemas(original: Callable[..., str]) -> Callable[..., str]:
