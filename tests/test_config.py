@@ -325,3 +325,13 @@ def test_a_nested_typo_names_the_key_that_exists(override: str, message: str) ->
     with pytest.raises(Exception) as refused:
         make_config(override)
     assert config_message(refused.value) == message
+
+
+def test_a_plan_shows_the_name_the_run_gets(tmp_path: Path) -> None:
+    """plan=true is no part of the W&B name: the plan shows the one the real run gets."""
+    from ddpexp.parent.launch import run_name
+
+    assert run_name(["model=mlp", "plan=true", "optimizer.lr=0.1"], None) == "model=mlp,optimizer.lr=0.1"
+    assert run_name(["plan=true"], None) == ""  # then the job dir's name, as a run with no overrides
+    (tmp_path / "multirun.yaml").write_text("hydra: {overrides: {task: ['seed=1,2', plan=true]}}\n")
+    assert run_name(["seed=1", "plan=true"], str(tmp_path)) == "seed=1"

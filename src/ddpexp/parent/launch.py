@@ -218,8 +218,10 @@ def make_job(config_yaml: str, argv: list[str]) -> Job:
 
 
 def run_name(overrides: list[str], sweep_dir: str | None) -> str:
-    """The overrides that tell this job apart: in a sweep, those of the swept keys; else all of them."""
+    """The overrides that tell this job apart: in a sweep, those of the swept keys; else all of them but plan=, so
+    that a plan shows the name its run gets."""
     key = lambda o: o.split("=", 1)[0].lstrip("+~")  # noqa: E731
+    overrides = [o for o in overrides if key(o) != "plan"]
     if sweep_dir is not None:
         swept = swept_keys(sweep_dir)
         if any(key(o) in swept for o in overrides):
