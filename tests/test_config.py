@@ -335,3 +335,26 @@ def test_a_plan_shows_the_name_the_run_gets(tmp_path: Path) -> None:
     assert run_name(["plan=true"], None) == ""  # then the job dir's name, as a run with no overrides
     (tmp_path / "multirun.yaml").write_text("hydra: {overrides: {task: ['seed=1,2', plan=true]}}\n")
     assert run_name(["seed=1", "plan=true"], str(tmp_path)) == "seed=1"
+
+
+def test_wandb_s_environment_fills_what_the_config_leaves_at_its_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """WANDB_MODE, WANDB_PROJECT, ... as W&B reads them, where wandb.* keeps its default (mode=auto); a value given
+    on the command line (or a preset) wins."""
+    from ddpexp.config import WandbConfig
+
+    env = {"WANDB_MODE": "disabled", "WANDB_PROJECT": "mine", "WANDB_ENTITY": "team", "WANDB_RUN_GROUP": "g",
+           "WANDB_NAME": "n", "WANDB_TAGS": "a, b", "WANDB_NOTES": "why", "WANDB_JOB_TYPE": "train"}  # fmt: skip
+    got = WandbConfig().with_environment(env)
+    assert (got.mode, got.project, got.entity, got.group, got.name, got.tags, got.notes, got.job_type) == (
+        "disabled", "mine", "team", "g", "n", ["a", "b"], "why", "train"
+    )
+    given = WandbConfig(mode="offline", project="p", group="mygroup", tags=["x"])
+    assert given.with_environment(env) == WandbConfig(mode="offline", project="p", entity="team", group="mygroup",
+                                                      name="n", tags=["x"], notes="why", job_type="train")  # fmt: skip
+    assert WandbConfig().with_environment({"WANDB_MODE": "dryrun"}).mode == "offline"  # W&B's older names
+    assert WandbConfig().with_environment({"WANDB_DISABLED": "true"}).mode == "disabled"
+    assert WandbConfig().with_environment({}) == WandbConfig()
+    with pytest.raises(ConfigError, match="^WANDB_MODE='sometimes': must be one of online, offline, disabled"):
+        WandbConfig().with_environment({"WANDB_MODE": "sometimes"})
+    monkeypatch.setenv("WANDB_PROJECT", "mine")  # the parent reads the command's environment
+    assert make_config().wandb.project == "mine" and make_config("wandb.project=p").wandb.project == "p"

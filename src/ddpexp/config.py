@@ -6,7 +6,8 @@ before any rank starts.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from omegaconf import MISSING
@@ -55,6 +56,28 @@ class WandbConfig:
     def __post_init__(self) -> None:
         check_choice("wandb.mode", self.mode, WANDB_MODES)
         check(self.init_timeout_s > 0, f"wandb.init_timeout_s={self.init_timeout_s}: must be > 0")
+
+    def with_environment(self, env: Mapping[str, str]) -> WandbConfig:
+        """W&B's own variables (WANDB_MODE, WANDB_PROJECT, ...) for the keys left at their defaults: ddpexp passes
+        every key to wandb.init, where an argument would override the variable. A key set in the config wins."""
+        values: dict[str, Any] = {}
+        mode = "disabled" if env.get("WANDB_DISABLED", "").lower() in ("true", "1") else env.get("WANDB_MODE")
+        if self.mode == "auto" and mode:
+            mode = {"dryrun": "offline", "run": "online"}.get(mode, mode)  # W&B's older names
+            check_choice("WANDB_MODE", mode, WANDB_MODES[1:])
+            values["mode"] = mode
+        if self.project == "ddpexp" and env.get("WANDB_PROJECT"):
+            values["project"] = env["WANDB_PROJECT"]
+        if not self.tags and env.get("WANDB_TAGS"):
+            values["tags"] = [t.strip() for t in env["WANDB_TAGS"].split(",") if t.strip()]
+        for key, var in _WANDB_VARS.items():
+            if getattr(self, key) is None and env.get(var):
+                values[key] = env[var]
+        return replace(self, **values)
+
+
+_WANDB_VARS = {"entity": "WANDB_ENTITY", "group": "WANDB_RUN_GROUP", "name": "WANDB_NAME", "notes": "WANDB_NOTES",
+               "job_type": "WANDB_JOB_TYPE"}  # fmt: skip
 
 
 @dataclass

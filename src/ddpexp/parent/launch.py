@@ -192,6 +192,7 @@ def to_config(dcfg: DictConfig) -> Config:
             raise e.__cause__ from None
         raise
     assert isinstance(cfg, Config)
+    cfg.wandb = cfg.wandb.with_environment(os.environ)  # the command's WANDB_* variables, read once, here
     unknown = unknown_keys(OmegaConf.to_container(dcfg, resolve=False), type(cfg.launcher))  # type: ignore[arg-type]
     if unknown:  # added with `+`: Hydra takes any key there, and nothing would ever read it
         key = unknown[0]
