@@ -124,3 +124,52 @@ def test_resume_from_a_malicious_checkpoint_is_refused_before_anything_starts(tm
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"ddpexp: error: checkpoint {evil}: refused, not a plain tensor checkpoint")
     assert not marker.exists() and not (tmp_path / "job" / "logs").exists()
+
+
+
+def test_resume_latest_is_the_newest_job_dir_of_this_config(tmp_path: Path) -> None:
+    """resume=latest: under the run dir's root (outputs/), the newest job dir whose newest checkpoint was trained
+    under this config as resume judges it (no model, data, optimizer, seed, ... changed; max_steps may); one line
+    when there is none."""
+    from ddpexp.exceptions import ConfigError
+    from ddpexp.parent.resume_decision import latest_job_dir, run_root
+
+    def job(name: str, config: str, mtime: float | None) -> None:
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        if mtime is not None:
+            path = checkpoint.save({**state(4), "config": config}, str(tmp_path / name / "checkpoints"), 4, 2)
+            os.utime(path, (mtime, mtime))
+
+    mlp, cnn = "model: {_target_: mlp}\nseed: 1\nmax_steps: 2\n", "model: {_target_: cnn}\nseed: 1\n"
+    job("outputs/d1/t1", mlp, 100)
+    job("outputs/d1/t2", mlp.replace("max_steps: 2", "max_steps: 3"), 200)  # trained longer: the same run
+    job("outputs/d2/t1", cnn, 300)  # another model
+    job("outputs/d2/t2", mlp, None)  # no checkpoint (the new job's own dir, say)
+    (tmp_path / "outputs" / "d2" / "t3" / ".hydra").mkdir(parents=True)
+    (tmp_path / "outputs" / "d2" / "t3" / "checkpoints").mkdir()
+    (tmp_path / "outputs" / "d2" / "t3" / "checkpoints" / "step-00000009.pt").write_bytes(b"garbled")  # skipped
+    root = str(tmp_path / "outputs")
+    assert latest_job_dir(root, mlp.replace("max_steps: 2", "max_steps: 8")) == str(tmp_path / "outputs/d1/t2")
+    assert latest_job_dir(root, cnn) == str(tmp_path / "outputs/d2/t1")
+    with pytest.raises(ConfigError, match=r"^resume=latest: no job dir under .*outputs holds a checkpoint of this "
+                                          r"config \(model, data, optimizer, .*\); give resume=PATH$"):  # fmt: skip
+        latest_job_dir(root, "model: {_target_: resnet18}\n")
+    assert run_root("outputs/${now:%Y-%m-%d}/${now:%H-%M-%S}") == "outputs"
+    assert run_root("/abs/runs/${now:%H}-${hydra.job.name}") == "/abs/runs"
+
+
+@pytest.mark.timeout(120)
+def test_resume_latest_continues_the_newest_run_of_this_config(tmp_path: Path) -> None:
+    """One rank, 2 steps under outputs/; then `resume=latest max_steps=3` starts from its step 2 without its path."""
+    from conftest import read_summary, run_ddpexp
+
+    tiny = ["gpus=1", "wandb.mode=disabled", "checkpoint_every_n_steps=1"]
+    run_ddpexp(*tiny, "max_steps=2", cwd=tmp_path, timeout=60)
+    (first,) = (tmp_path / "outputs").glob("*/*")
+    proc = run_ddpexp(*tiny, "max_steps=3", "resume=latest", "model=mlp", cwd=tmp_path, check=False, timeout=30)
+    assert proc.returncode == 2 and proc.stderr.startswith("ddpexp: error: resume=latest: no job dir under "), proc
+    proc = run_ddpexp(*tiny, "max_steps=3", "resume=latest", cwd=tmp_path, timeout=60)
+    assert f"resuming from {first}/checkpoints/step-00000002.pt (resume=latest" in proc.stdout, proc.stdout
+    (second,) = set((tmp_path / "outputs").glob("*/*")) - {first}
+    summary = read_summary(second)
+    assert (summary["status"], summary["steps"], summary["resumed_from"]["step"]) == ("completed", 3, 2), summary

@@ -156,7 +156,7 @@ class Config:
     eval_every_n_epochs: int = 1
     checkpoint_every_n_epochs: int | None = None  # last.pt is always written at the end
     checkpoint_every_n_steps: int | None = None  # also mid-epoch; resume continues at the exact batch
-    resume: str = "auto"  # auto: from this job dir's newest valid checkpoint if any; never; or a PATH
+    resume: str = "auto"  # auto: from this job dir's newest valid checkpoint if any; never; latest; or a PATH
     resume_allow_config_change: bool = False  # resume although model/data/optimizer/batch/seed/world size differ
     keep_last_checkpoints: int = 2  # step-N.pt files kept beside last.pt
     num_workers: int = 0
@@ -191,7 +191,7 @@ class Config:
         for key in ("checkpoint_every_n_steps", "checkpoint_every_n_epochs"):
             value = getattr(self, key)
             check(value is None or value >= 1, f"{key}={value}: must be >= 1 or null")
-        check(bool(self.resume), "resume='': must be auto, never or a checkpoint PATH")
+        check(bool(self.resume), "resume='': must be auto, never, latest or a checkpoint PATH")
         check(self.num_workers >= 0, f"num_workers={self.num_workers}: must be >= 0")
         for group in ("model", "data", "task", "optimizer"):
             node = getattr(self, group)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
 
 from ddpexp.config import Config
 from ddpexp.exceptions import ConfigError
@@ -37,7 +38,10 @@ def check_resume(cfg: Config, job: Job, cmd: Command) -> float | None:
                 "use resume=auto to continue it, or another hydra.run.dir"
             )
         return None
-    source = own or (checkpoint.resolve(cfg.resume) if cfg.resume != "auto" else None)
+    wanted = cfg.resume
+    if own is None and wanted == "latest":
+        wanted = latest_job_dir(run_root(str(OmegaConf.to_container(HydraConfig.get().run)["dir"])), job.config_yaml)
+    source = own or (checkpoint.resolve(wanted) if wanted != "auto" else None)
     if source is None:
         return None
     job.resume_from = None if own else source  # what the ranks start from, unless the job dir has its own by then
@@ -56,8 +60,44 @@ def check_resume(cfg: Config, job: Job, cmd: Command) -> float | None:
     if own is not None and cfg.resume not in ("auto", "never"):
         print(f"ddpexp: resuming from {own}, this job's own newest checkpoint (resume={cfg.resume} only starts a job)")
     else:
-        print(f"ddpexp: resuming from {source}", flush=True)
+        latest = " (resume=latest: the newest job dir of this config)" if cfg.resume == "latest" else ""
+        print(f"ddpexp: resuming from {source}{latest}", flush=True)
     return None
+
+
+def run_root(pattern: str) -> str:
+    """The folder above a run dir pattern's first `${...}` part: outputs/ for outputs/${now:...}/${now:...}."""
+    parts = pattern.split("/")
+    fixed = next((i for i, part in enumerate(parts) if "${" in part), len(parts) - 1)
+    return "/".join(parts[:fixed]) or "."
+
+
+def latest_job_dir(root: str, config_yaml: str) -> str:
+    """`resume=latest`: the newest job dir under `root` (by its newest step checkpoint) whose checkpoint was
+    trained under this config as a resume judges it (no DRIFT_KEYS differ: a longer max_steps or epochs is the
+    same run); a checkpoint that does not load is passed over."""
+    from ddpexp.exceptions import CheckpointError
+    from ddpexp.rank import checkpoint
+
+    found = []
+    for folder, dirs, _ in os.walk(root):
+        steps = checkpoint.step_files(os.path.join(folder, "checkpoints"))
+        if steps:
+            found.append((max(os.path.getmtime(f) for f in steps), folder, steps[-1]))
+        if os.path.isdir(os.path.join(folder, ".hydra")):
+            dirs.clear()  # a job's own folders hold no jobs
+    config = yaml.safe_load(config_yaml)
+    for _, folder, newest in sorted(found, reverse=True):
+        try:
+            saved = yaml.safe_load(checkpoint.load(newest)["config"])
+        except CheckpointError:
+            continue
+        if isinstance(saved, dict) and not config_drift(saved, config):
+            return os.path.abspath(folder)
+    raise ConfigError(
+        f"resume=latest: no job dir under {os.path.abspath(root)} holds a checkpoint of this config "
+        f"({', '.join(DRIFT_KEYS)} as now); give resume=PATH"
+    )
 
 
 def earlier_record(cfg: Config, job: Job, cmd: Command) -> float | None:
