@@ -126,7 +126,6 @@ def test_resume_from_a_malicious_checkpoint_is_refused_before_anything_starts(tm
     assert not marker.exists() and not (tmp_path / "job" / "logs").exists()
 
 
-
 def test_resume_latest_is_the_newest_job_dir_of_this_config(tmp_path: Path) -> None:
     """resume=latest: under the run dir's root (outputs/), the newest job dir whose newest checkpoint was trained
     under this config as resume judges it (no model, data, optimizer, seed, ... changed; max_steps may); one line

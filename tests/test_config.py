@@ -345,9 +345,8 @@ def test_wandb_s_environment_fills_what_the_config_leaves_at_its_default(monkeyp
     env = {"WANDB_MODE": "disabled", "WANDB_PROJECT": "mine", "WANDB_ENTITY": "team", "WANDB_RUN_GROUP": "g",
            "WANDB_NAME": "n", "WANDB_TAGS": "a, b", "WANDB_NOTES": "why", "WANDB_JOB_TYPE": "train"}  # fmt: skip
     got = WandbConfig().with_environment(env)
-    assert (got.mode, got.project, got.entity, got.group, got.name, got.tags, got.notes, got.job_type) == (
-        "disabled", "mine", "team", "g", "n", ["a", "b"], "why", "train"
-    )
+    assert got == WandbConfig(mode="disabled", project="mine", entity="team", group="g", name="n", tags=["a", "b"],
+                              notes="why", job_type="train")  # fmt: skip
     given = WandbConfig(mode="offline", project="p", group="mygroup", tags=["x"])
     assert given.with_environment(env) == WandbConfig(mode="offline", project="p", entity="team", group="mygroup",
                                                       name="n", tags=["x"], notes="why", job_type="train")  # fmt: skip
