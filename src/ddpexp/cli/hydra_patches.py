@@ -134,11 +134,11 @@ def _record_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., A
     return _guarded_run_job
 
 
-def _release(cmd: Command, lock: str, job_dir: str) -> None:
+def _release(cmd: Command, lock: str | None, job_dir: str) -> None:
     """A job's lock goes with its run, or with the command for a job still queued at a scheduler."""
     from ddpexp.job import release_lock
 
-    if any(job.dir == job_dir for job, _, _ in cmd.deferred):
+    if lock is not None and any(job.dir == job_dir for job, _, _ in cmd.deferred):
         cmd.locks.append(lock)
     else:
         release_lock(lock)
