@@ -102,11 +102,12 @@ def test_bare_env_ranks_sigterm_checkpoint_refusals_and_resume_bit_equal(tmp_pat
     assert line.startswith(f"ddpexp: error: {job}: a job is running there (pid {ranks[1].pid} on ") and "wait" in line
     assert (job / ".hydra" / "config.yaml").read_bytes() == hydra_before and not (job / "logs" / "rank2.log").exists()
 
-    inside = {**ddpexp_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
-              "RANK": "0"}  # fmt: skip
+    # torchrun's variables, as a rank's command sees them
+    inside = {**ddpexp_env(), "TORCHELASTIC_RUN_ID": "r", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+              "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
     for argv, says in (
-        (["launcher=spawn", "hydra.run.dir=other"], "launcher=spawn: this command is started by MASTER_ADDR"),
-        (["-m", "optimizer.lr=1e-3,1e-2"], "-m: this command is started by MASTER_ADDR, WORLD_SIZE, RANK: rank 0"),
+        (["launcher=spawn", "hydra.run.dir=other"], "launcher=spawn: this command is started by torchrun: rank 0 of 2"),
+        (["-m", "optimizer.lr=1e-3,1e-2"], "-m: this command is started by torchrun: rank 0 of 2; each rank would"),
     ):
         proc = run_ddpexp(*argv, cwd=tmp_path, env=inside, check=False, timeout=120)
         assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(f"ddpexp: error: {says}"), (
