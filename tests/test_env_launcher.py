@@ -102,11 +102,12 @@ def test_bare_env_ranks_sigterm_checkpoint_refusals_and_resume_bit_equal(tmp_pat
     assert line.startswith(f"ddpexp: error: {job}: a job is running there (pid {ranks[1].pid} on ") and "wait" in line
     assert (job / ".hydra" / "config.yaml").read_bytes() == hydra_before and not (job / "logs" / "rank2.log").exists()
 
-    inside = {**ddpexp_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
-              "RANK": "0"}  # fmt: skip
+    # torchrun's variables, as a rank's command sees them
+    inside = {**ddpexp_env(), "TORCHELASTIC_RUN_ID": "r", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+              "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}  # fmt: skip
     for argv, says in (
-        (["launcher=spawn", "hydra.run.dir=other"], "launcher=spawn: this command is started by MASTER_ADDR"),
-        (["-m", "optimizer.lr=1e-3,1e-2"], "-m: this command is started by MASTER_ADDR, WORLD_SIZE, RANK: rank 0"),
+        (["launcher=spawn", "hydra.run.dir=other"], "launcher=spawn: this command is started by torchrun: rank 0 of 2"),
+        (["-m", "optimizer.lr=1e-3,1e-2"], "-m: this command is started by torchrun: rank 0 of 2; each rank would"),
     ):
         proc = run_ddpexp(*argv, cwd=tmp_path, env=inside, check=False, timeout=120)
         assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(f"ddpexp: error: {says}"), (
@@ -256,8 +257,32 @@ def test_a_job_dir_this_host_cannot_see_is_one_line(tmp_path: Path) -> None:
     from ddpexp.exceptions import ConfigError
     from ddpexp.launchers.env import check_visible
 
+    (tmp_path / "job.lock").write_text("{}")  # rank 0 holds its job dir while the job runs
     check_visible(str(tmp_path), 0.1)
+    (tmp_path / "elsewhere").mkdir()  # this rank's own Hydra makes the dir on its host: not rank 0's
     with pytest.raises(
         ConfigError, match=rf"rank 0's job dir {tmp_path / 'elsewhere'} is not visible on .* after 0.2 s"
     ):
         check_visible(str(tmp_path / "elsewhere"), 0.2)
+
+
+def test_a_rank_learns_rank_0s_dir_even_when_rank_0_took_it_away_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """plan=true (or a refusal): rank 0's command names its dir, then takes the empty dir away and ends; a rank
+    that asks later gets the name, not a wait for a dir that will not come and an error (CI saw that race)."""
+    from datetime import timedelta
+
+    from omegaconf import OmegaConf
+    from torch.distributed import TCPStore
+
+    from ddpexp.launchers import env
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    gone = str(tmp_path / "rank0-dir-already-removed")
+    store.set("ddpexp/job_dir/0", gone)
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": "1"}.items():
+        monkeypatch.setenv(key, value)
+    agreed = env.job_dir(OmegaConf.create({"job_dir_timeout_s": 5.0}), str(tmp_path / "rank1-own"))
+    assert (agreed.path, agreed.leader) == (gone, False)

@@ -99,15 +99,19 @@ def why_not_dir(path: str, error: OSError) -> str:
 LOCK = "job.lock"
 
 
-def take_lock(job_dir: str) -> str:
+def take_lock(job_dir: str) -> str | None:
     """Hold `job_dir` for this command (host and pid in JOB_DIR/job.lock): a job dir holds one job at a time. A
     lock whose process is gone (this host's pid no longer runs: a killed command, an elastic restart) is taken
-    over; a live one is one line. Returns the lock's path, for `release_lock`."""
+    over; a live one is one line. Returns the lock's path, for `release_lock`; None where the dir cannot be made
+    (Hydra's attempt to make it then says why, in one line)."""
     import socket
     import time
 
     path, me = os.path.join(job_dir, LOCK), {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
-    os.makedirs(job_dir, exist_ok=True)
+    try:
+        os.makedirs(job_dir, exist_ok=True)
+    except OSError:
+        return None
     for _ in range(10):  # a few rounds: another command may take over the same stale lock at the same moment
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -132,8 +136,10 @@ def take_lock(job_dir: str) -> str:
     raise ConfigError(f"{job_dir}: could not take {path}: other commands keep taking it")
 
 
-def release_lock(path: str) -> None:
+def release_lock(path: str | None) -> None:
     """Remove this command's lock (only if it is still this process's: a stale one may have been taken over)."""
+    if path is None:
+        return
     holder = read_json(path) or {}
     if holder.get("pid") == os.getpid():
         try:

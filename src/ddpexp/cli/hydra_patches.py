@@ -6,6 +6,7 @@ same there)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import shutil
@@ -109,8 +110,14 @@ def _record_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., A
             done = completed_job(config, job_dir)
             if done is not None:
                 return done
-        if not leader:
-            return original(**kwargs)
+        if not leader:  # Hydra makes the dir here too: an empty one it made is taken away (plan=true, a refusal)
+            existed = os.path.isdir(job_dir)
+            try:
+                return original(**kwargs)
+            finally:
+                if not existed:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(job_dir)
         existed = os.path.exists(job_dir)
         lock = take_lock(job_dir)  # before Hydra writes: a running job's dir is refused untouched
         if config.hydra.output_subdir is None:
@@ -134,11 +141,11 @@ def _record_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., A
     return _guarded_run_job
 
 
-def _release(cmd: Command, lock: str, job_dir: str) -> None:
+def _release(cmd: Command, lock: str | None, job_dir: str) -> None:
     """A job's lock goes with its run, or with the command for a job still queued at a scheduler."""
     from ddpexp.job import release_lock
 
-    if any(job.dir == job_dir for job, _, _ in cmd.deferred):
+    if lock is not None and any(job.dir == job_dir for job, _, _ in cmd.deferred):
         cmd.locks.append(lock)
     else:
         release_lock(lock)

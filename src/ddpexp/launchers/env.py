@@ -77,21 +77,24 @@ def job_dir(lcfg: Any, proposed: str) -> JobDir:
     except RuntimeError as e:  # timed out: rank 0 never got this far (its command failed, or is another job's)
         raise ConfigError(f"launcher=env: rank 0 named no job dir within launcher.job_dir_timeout_s="
                           f"{lcfg.job_dir_timeout_s} s ({str(e).splitlines()[0]})") from None  # fmt: skip
-    check_visible(agreed, VISIBLE_WAIT_S)
     return JobDir(agreed, leader=False, keep=store)
 
 
-VISIBLE_WAIT_S = 30.0  # rank 0 makes the dir just after naming it; a network filesystem may show it a bit later
+VISIBLE_WAIT_S = 30.0  # a network filesystem may show rank 0's files on another host a bit later
 
 
 def check_visible(job_dir: str, wait_s: float) -> None:
-    """A rank on another host must see rank 0's job dir (checkpoints to resume from, the record): one line if it
-    does not appear here within `wait_s`."""
+    """A rank on another host must see rank 0's job dir (checkpoints to resume from, the record): one line if
+    rank 0's lock file there (held while its job runs) does not appear here within `wait_s`. Checked once the job
+    starts: this rank's own Hydra makes the dir wherever it is, and a plan or a refusal never starts the job (rank
+    0's command may have taken its dir away again by then)."""
     import socket
     import time
 
+    from ddpexp.job import LOCK
+
     deadline = time.monotonic() + wait_s
-    while not os.path.isdir(job_dir):
+    while not os.path.isfile(os.path.join(job_dir, LOCK)):
         if time.monotonic() > deadline:
             raise ConfigError(
                 f"launcher=env: rank 0's job dir {job_dir} is not visible on {socket.gethostname()} after {wait_s:g} s;"
@@ -119,6 +122,8 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> Handle:
     """The rank runs in this process, in the job dir the ranks agreed on (job_dir)."""
     world = outside_world()
     assert world is not None  # resolve() said so
+    if world.rank > 0:
+        check_visible(job.dir, VISIBLE_WAIT_S)
     os.environ.update(RANK=str(world.rank), LOCAL_RANK=str(world.local_rank), WORLD_SIZE=str(world.world_size),
                       LOCAL_WORLD_SIZE=str(world.local_world_size), MASTER_ADDR=world.master_addr,
                       MASTER_PORT=str(world.master_port))  # fmt: skip
