@@ -10,6 +10,7 @@ from typing import Any
 
 from ddpexp.config import LauncherConfig, check
 from ddpexp.exceptions import RankFailure
+from ddpexp.job import end_process
 from ddpexp.launchers.base import Handle, Started, check_resolves, local_ranks, resolve_local, tail, this_command
 from ddpexp.launchers.processes import (
     detach_from_terminal,
@@ -74,7 +75,7 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> Handle:
     try:
         with stop_signals_blocked():
             ctx = mp.start_processes(
-                _run_rank, args=(worker, cfg, job, env), nprocs=n, join=False, start_method="spawn"
+                _spawned_rank, args=(worker, cfg, job, env), nprocs=n, join=False, start_method="spawn"
             )
     except BaseException:
         forwarding.__exit__()
@@ -115,6 +116,13 @@ def _run_rank(local_rank: int, worker: Callable[..., None], cfg: Any, job: Any, 
     detach_from_terminal()
     os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     worker(cfg, job)
+
+
+def _spawned_rank(local_rank: int, worker: Callable[..., None], cfg: Any, job: Any, env: dict[str, str]) -> None:
+    """A rank in a process of its own: once it is done (its record written, its process group closed), the
+    process ends at once (job.end_process); a failure leaves through torch.multiprocessing's own report."""
+    _run_rank(local_rank, worker, cfg, job, env)
+    end_process(0)
 
 
 def _run_inline(worker: Callable[..., None], cfg: Any, job: Any, env: dict[str, str]) -> None:
