@@ -30,7 +30,7 @@ from ddpexp.parts.tasks import check_loss, directions, objective_mode, samples, 
 from ddpexp.rank import checkpoint, distributed, speed
 from ddpexp.rank.best import Best, check_objective
 from ddpexp.rank.debug import DebugFaults
-from ddpexp.rank.evaluation import evaluate
+from ddpexp.rank.evaluation import check_metric_names, evaluate
 from ddpexp.rank.meter import Meter, line_due
 from ddpexp.rank.resume import Checkpointer, Position, Resumed, restore
 from ddpexp.rank.signals import REQUEUE
@@ -114,6 +114,8 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
     # Which way the objective (and each metric) is better, for the record: `ddpexp report` sorts by it. The
     # parent's check, again on the task the ranks built.
     objective = {"name": cfg.objective, "mode": objective_mode(task, p.task_name, cfg.objective, cfg.objective_mode)}
+    # The task's metric names, on one val batch of each rank: a collision fails before step 1, not an epoch later.
+    check_metric_names(task, p.model, p.splits.val, cfg.batch_size, device, p.autocast, p.memory_format, p.task_name)
 
     # Restore: the weights are in; now the optimizer, schedule, position, pending loss and (below) RNG streams.
     pos, final = Position(), {}
