@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -247,6 +248,30 @@ def test_version_is_ddpexp_s_own(monkeypatch: pytest.MonkeyPatch, capsys: pytest
     assert exit_.value.code in (0, None) and capsys.readouterr().out == f"ddpexp {version('ddpexp')}\n"
 
 
+JOBLIB = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
+NOT_A_PLUGIN = (
+    "ddpexp starts each job's ranks itself (launcher=spawn, torchrun or slurm) and runs a sweep's jobs one after "
+    "another; a Hydra launcher plugin cannot start them. Drop hydra/launcher (parallel local sweeps are to come as "
+    "sweep.parallel)"
+)
+
+
+def test_a_hydra_launcher_plugin_is_refused_by_its_choice_and_the_basic_one_is_not() -> None:
+    from omegaconf import OmegaConf
+
+    from ddpexp.exceptions import CommandError
+    from ddpexp.parent.sweep import BASIC_LAUNCHER, refuse_hydra_launcher
+
+    def config(target: str, choice: str) -> Any:
+        hydra = {"launcher": {"_target_": target, "n_jobs": 2}, "runtime": {"choices": {"hydra/launcher": choice}}}
+        return OmegaConf.create({"hydra": hydra})
+
+    with pytest.raises(CommandError) as e:
+        refuse_hydra_launcher(config(JOBLIB, "joblib"))
+    assert str(e.value) == f"hydra/launcher=joblib: {NOT_A_PLUGIN}"
+    refuse_hydra_launcher(config(BASIC_LAUNCHER, "basic"))
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("args", "message"),
@@ -254,6 +279,9 @@ def test_version_is_ddpexp_s_own(monkeypatch: pytest.MonkeyPatch, capsys: pytest
         (["model=resnet2,mlp"], "ddpexp: error: In 'config': Could not find 'model/resnet2'. Available options in "
          "'model': cnn, gpt, mlp, resnet101, resnet18, resnet50"),
         (["optimzer.lr=1,2"], "ddpexp: error: optimzer.lr: no such key (did you mean optimizer.lr?)"),
+        # A Hydra launcher plugin runs jobs in workers that cannot start ranks (joblib's: "no context for 'loky'").
+        ([f"hydra.launcher._target_={JOBLIB}", "seed=0,1"], f"ddpexp: error: hydra.launcher._target_={JOBLIB}: "
+         f"{NOT_A_PLUGIN}"),
     ],
 )  # fmt: skip
 def test_a_sweep_refused_before_its_jobs_is_one_line_and_leaves_no_sweep_dir(

@@ -70,6 +70,11 @@ def test_spawn_two_ranks_and_equal_to_one_rank_double_batch(tmp_path: Path) -> N
     for out in (proc.stdout, single.stdout):  # in-process (gpus=1) or spawned, rank 0 logs in one format, once
         lines = [line for line in out.splitlines() if "epoch 0 step 5: train/loss" in line]
         assert len(lines) == 1 and re.match(r"\[\d\d:\d\d:\d\d\]\[rank0\] epoch 0 step 5: train/loss", lines[0]), out
+        # Where the run is, its pace and its ETA: from the first step on, then in each log line.
+        assert re.search(r"\| 11% of 46 steps, [\d.e+]+ steps/s, ETA \d+:\d\d:\d\d$", lines[0]), lines[0]
+        assert re.search(
+            r"\]\[rank0\] epoch 0 step 1: started \| 2% of 46 steps, [\d.e+]+ steps/s, ETA \d+:\d\d:\d\d\n", out
+        )
     w2, w1 = load_weights(two), load_weights(one)
     assert w2.keys() == w1.keys()
     max_diff = max((w2[k] - w1[k]).abs().max().item() for k in w1)

@@ -167,3 +167,79 @@ def test_an_installed_launcher_is_found_by_its_entry_point(tmp_path: Path) -> No
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0 and "3 passed" in proc.stdout, proc.stdout[-3000:]
+
+
+def _chained_traceback(site: str, ddpexp: str) -> str:
+    """A rank's traceback as worker.py records it when a user's data factory raises under hydra's instantiate."""
+    call = f'  File "{site}/hydra/_internal/instantiate/_instantiate2.py", line '
+    return f"""Traceback (most recent call last):
+{call}129, in _call_target
+    result = _target_(*args, **kwargs)
+             ^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "/home/me/proj/mydata.py", line 7, in splits
+    return load_csv("/no/such/dir/train.csv")
+           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "/home/me/proj/mydata.py", line 2, in load_csv
+    with open(path) as f:
+         ^^^^^^^^^^
+FileNotFoundError: [Errno 2] No such file or directory: '/no/such/dir/train.csv'
+
+The above exception was the direct cause of the following exception:
+
+Traceback (most recent call last):
+  File "{ddpexp}/rank/worker.py", line 63, in main
+    summary.update(train(cfg, job, device, tracker, resumed, stop))
+                   ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "{ddpexp}/rank/train.py", line 113, in train
+    p = build(cfg, device, resumed)
+        ^^^^^^^^^^^^^^^^^^^^^^^^^^^
+  File "{ddpexp}/rank/train.py", line 68, in build
+    splits = instantiate(cfg.data)
+             ^^^^^^^^^^^^^^^^^^^^^
+{call}251, in instantiate
+    return _instantiate_impl(config, args, kwargs)
+           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+{call}299, in _instantiate_impl
+    return instantiate_node(
+           ^^^^^^^^^^^^^^^^^
+{call}420, in instantiate_node
+    return _call_target(_target_, partial, args, kwargs, full_key)
+           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+{call}138, in _call_target
+    raise InstantiationException(_with_full_key(msg, full_key)) from e
+hydra.errors.InstantiationException: Error in call to target 'mydata.splits':
+FileNotFoundError(2, 'No such file or directory')
+"""
+
+
+def test_a_long_traceback_is_trimmed_from_the_middle_keeping_the_users_frames_and_errors() -> None:
+    """The last 25 lines alone began with a dangling "The above exception ..." and left out mydata.py."""
+    import ddpexp
+    from ddpexp.launchers.base import tail
+
+    site = "/opt/venv/lib/python3.11/site-packages"
+    text = _chained_traceback(site, os.path.dirname(ddpexp.__file__))
+    assert len(text.splitlines()) > 25
+    assert tail(text).splitlines() == [
+        "Traceback (most recent call last):",
+        "  ... 1 frame(s) of torch, ddpexp or other packages",
+        '  File "/home/me/proj/mydata.py", line 7, in splits',
+        '    return load_csv("/no/such/dir/train.csv")',
+        '  File "/home/me/proj/mydata.py", line 2, in load_csv',
+        "    with open(path) as f:",
+        "FileNotFoundError: [Errno 2] No such file or directory: '/no/such/dir/train.csv'",
+        "",
+        "The above exception was the direct cause of the following exception:",
+        "",
+        "Traceback (most recent call last):",
+        "  ... 6 frame(s) of torch, ddpexp or other packages",
+        f'  File "{site}/hydra/_internal/instantiate/_instantiate2.py", line 138, in _call_target',
+        "    raise InstantiationException(_with_full_key(msg, full_key)) from e",
+        "hydra.errors.InstantiationException: Error in call to target 'mydata.splits':",
+        "FileNotFoundError(2, 'No such file or directory')",
+    ]
+    short = 'Traceback (most recent call last):\n  File "x.py", line 1, in f\nValueError: no'
+    assert tail(short) == short  # what fits is shown whole, frames of every package too
+    deep = "Traceback (most recent call last):\n" + '  File "/home/me/m.py", line 3, in f\n    f()\n' * 40
+    trimmed = tail(deep + "RecursionError: too deep").splitlines()  # the user's frames alone are too many
+    assert len(trimmed) <= 25 and trimmed[0].startswith("Traceback") and trimmed[-1] == "RecursionError: too deep"

@@ -47,9 +47,16 @@ def test_a_nan_loss_stops_every_rank_at_that_step_and_keeps_the_last_finite_chec
     for log in (job / "logs").glob("rank*.log"):  # both ranks stopped there, at the same step
         assert "train/loss went non-finite (nan) at step 2" in log.read_text(), log
 
+    # No checkpoint before the evaluation at step 8: train/loss is named at its own step (read at the log line),
+    # once, and before the val/loss it spoilt (only `val/loss went non-finite at step 8` was said).
     warned = tmp_path / "warned"
-    proc = run_ddpexp(*common, "gpus=1", "on_nonfinite=warn", f"hydra.run.dir={warned}", cwd=tmp_path)
-    assert "train/loss went non-finite (nan) at step 2; going on (on_nonfinite=warn)" in proc.stdout
+    without_checkpoints = [*common, "gpus=1", "on_nonfinite=warn", "checkpoint_every_n_steps=null"]
+    proc = run_ddpexp(*without_checkpoints, f"hydra.run.dir={warned}", cwd=tmp_path)
+    said = [line.split("] ", 1)[1] for line in proc.stdout.splitlines() if "went non-finite" in line]
+    assert said == [
+        "train/loss went non-finite (nan) at step 2; going on (on_nonfinite=warn)",
+        "val/loss went non-finite (nan) at step 8; going on (on_nonfinite=warn)",
+    ], proc.stdout
     summary = strict_json((warned / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 8
     assert summary["final"]["train/loss"] is None and summary["final"]["val/loss"] is None  # NaN, as JSON can say

@@ -106,6 +106,27 @@ def test_a_bad_task_stops_the_command_before_any_rank(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_colliding_metric_name_on_a_user_s_data_fails_the_rank_before_step_1(tmp_path: Path) -> None:
+    """The parent's dry build cannot score a user's data factory: the ranks check the task's metrics on one val
+    batch before training (found at the first evaluation, after a whole epoch, before)."""
+    job = tmp_path / "job"
+    proc = run_ddpexp(
+        "data._target_=uneven_data.splits", "task._target_=user_task.CollidingMetric", *USER_TASK,
+        "objective=val/brier", "gpus=1", "log_every_n_steps=1", "wandb.mode=disabled", f"hydra.run.dir={job}",
+        cwd=tmp_path, check=False, env=TESTS_ON_PATH, timeout=100,
+    )  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(
+        "ddpexp: error: rank 0 failed: ConfigError: task=user_task.CollidingMetric.metrics: metric name 'train/loss' "
+        "collides with the record's keys"
+    ), lines[0]
+    assert read_summary(job)["status"] == "failed" and (job / "metrics.jsonl").read_text() == ""  # no step ran
+    assert " step 1" not in (job / "logs" / "rank0.log").read_text()
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_user_task_and_its_own_metric_drive_an_optuna_study(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"

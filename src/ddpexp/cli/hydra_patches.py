@@ -184,13 +184,15 @@ def _sweeper_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., 
     class is re-created when Hydra scans its plugins, so the sweeper is wrapped as Hydra makes it. A plan of a
     search whose trials depend on earlier results, and a sweeper `direction` against the objective's mode, are
     refused here, before the search begins (hydra/_internal/hydra.py Hydra.multirun instantiates the sweeper, with
-    the composed config, before it calls its sweep)."""
+    the composed config, before it calls its sweep), and so is a Hydra launcher plugin (hydra/launcher=joblib)."""
     from ddpexp.parent.objective import check_sweeper_direction, needs_each_value
     from ddpexp.parent.outside import refuse_sweep
+    from ddpexp.parent.sweep import refuse_hydra_launcher
 
     def _instantiate_sweeper(self: Any, **kwargs: Any) -> Any:
         config = kwargs["config"]
         refuse_sweep()  # -m inside a world another launcher started
+        refuse_hydra_launcher(config)  # the sweeper instantiates the launcher in its setup, after this
         if config.get("plan") and needs_each_value(config.hydra):  # before the study starts and prints
             raise CommandError(
                 "plan=true with a search that picks each trial from the results of the ones before (hparams_search):"

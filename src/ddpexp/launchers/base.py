@@ -10,6 +10,7 @@ and returns a Handle that the parent waits on (submitit's `submit` returns a Job
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 from collections.abc import Callable
@@ -70,7 +71,80 @@ class Started:
 
 
 def tail(text: str, lines: int = 25) -> str:
-    return "\n".join(text.rstrip().splitlines()[-lines:])
+    """A rank's traceback, short enough to print, trimmed from the middle: every chained exception's header and
+    error lines, the user's own frames (the last ones where they are many) and the frame that raised, while the
+    frames of torch, ddpexp, Python and site-packages become one `...` line per run. The last 25 lines alone began
+    with a dangling "The above exception was the direct cause" and left out the user's frame and error."""
+    all_lines = text.rstrip().splitlines()
+    if len(all_lines) <= lines:
+        return "\n".join(all_lines)
+    sections = _sections(all_lines)
+    for user_frames in (None, 3, 1):
+        kept = [line for i, section in enumerate(sections)
+                for line in _trimmed(section, user_frames, last=i == len(sections) - 1)]  # fmt: skip
+        if len(kept) <= lines:
+            return "\n".join(kept)
+    return "\n".join(kept[:2] + ["  ..."] + kept[-(lines - 3) :])
+
+
+_FRAME = re.compile(r'  File "(.*)", line \d+')
+_CARETS = re.compile(r"\s*[\^~]+\s*")
+
+
+def _sections(lines: list[str]) -> list[tuple[list[str], list[list[str]], list[str]]]:
+    """Each chained exception: (its header lines, its frames, each the File line and the lines under it, its error
+    lines), in the traceback's order."""
+    sections: list[tuple[list[str], list[list[str]], list[str]]] = [([], [], [])]
+    for line in lines:
+        head, frames, error = sections[-1]
+        if _FRAME.match(line):
+            frames.append([line])
+        elif line.startswith("    ") and frames and not error:
+            frames[-1].append(line)
+        elif line.startswith("Traceback (most recent call last):") and (frames or error):
+            sections.append(([line], [], []))
+        elif frames or error:
+            error.append(line)
+        else:
+            head.append(line)
+    for i in range(len(sections) - 1):  # "The above exception ..." introduces the next exception
+        error, head = sections[i][2], sections[i + 1][0]
+        while error and (not error[-1].strip() or error[-1].startswith(("The above exception", "During handling"))):
+            head.insert(0, error.pop())
+    return sections
+
+
+def _trimmed(section: tuple[list[str], list[list[str]], list[str]], user_frames: int | None, last: bool) -> list[str]:
+    head, frames, error = section
+    mine = [i for i, frame in enumerate(frames) if _is_users(frame[0])]
+    keep = set(mine if user_frames is None else mine[-user_frames:])
+    if last and frames:
+        keep.add(len(frames) - 1)  # where it was raised, whoever's
+    out, skipped = list(head), []
+    for i, frame in enumerate(frames + [[]]):
+        if i < len(frames) and i not in keep:
+            skipped.append(i)
+            continue
+        if skipped:
+            whose = "" if set(skipped) & set(mine) else " of torch, ddpexp or other packages"
+            out.append(f"  ... {len(skipped)} frame(s){whose}")
+            skipped = []
+        out.extend(line for line in frame if not _CARETS.fullmatch(line))
+    return out + (error if last else error[:3])
+
+
+def _is_users(file_line: str) -> bool:
+    import sysconfig
+
+    match = _FRAME.match(file_line)
+    path = match.group(1) if match else ""
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/ddpexp, this file is in launchers/
+    libraries = (ours + os.sep, sysconfig.get_paths()["stdlib"] + os.sep)
+    parts = path.replace("\\", "/").split("/")
+    return not (
+        path.startswith("<") or path.startswith(libraries) or "site-packages" in parts or "dist-packages" in parts
+        or "torch" in parts
+    )  # fmt: skip
 
 
 def check_resolves(key: str, host: str, shown: str | None = None) -> None:

@@ -77,3 +77,25 @@ def completed_job(config: DictConfig, job_dir: str) -> Any:
         overrides=overrides, cfg=task_cfg, hydra_cfg=config, working_dir=os.getcwd(),
         task_name=config.hydra.job.name, status=JobStatus.COMPLETED, _return_value=objective,
     )  # fmt: skip
+
+
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+
+
+def refuse_hydra_launcher(config: DictConfig) -> None:
+    """A `-m` sweep runs its jobs one after another in this command (Hydra's basic launcher), and each job's ranks
+    are started by ddpexp's own `launcher=`. Another Hydra launcher plugin runs each job in a worker of its own,
+    which cannot start ranks (joblib's loky workers: every rank dies with "cannot find context for 'loky'"), so
+    it is refused before any job starts."""
+    target = OmegaConf.select(config, "hydra.launcher._target_", default=None)
+    if target in (None, BASIC_LAUNCHER):
+        return
+    from ddpexp.exceptions import CommandError
+
+    choice = (OmegaConf.select(config, "hydra.runtime.choices", default=None) or {}).get("hydra/launcher")
+    given = f"hydra/launcher={choice}" if choice not in (None, "basic") else f"hydra.launcher._target_={target}"
+    raise CommandError(
+        f"{given}: ddpexp starts each job's ranks itself (launcher=spawn, torchrun or slurm) and "
+        "runs a sweep's jobs one after another; a Hydra launcher plugin cannot start them. Drop hydra/launcher "
+        "(parallel local sweeps are to come as sweep.parallel)"
+    )

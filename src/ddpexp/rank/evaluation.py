@@ -15,6 +15,29 @@ from ddpexp.rank import distributed
 
 
 @torch.no_grad()
+def check_metric_names(
+    task: Any, model: torch.nn.Module, dataset: Any, batch_size: int, device: torch.device, autocast: Any,
+    memory_format: Any = torch.contiguous_format, name: str = "task",
+) -> None:  # fmt: skip
+    """The task's metrics on this rank's first val batch, before the first step: a name that collides with the
+    record's keys (or a value that is no (sum, count) pair) fails the rank now, in one line, not at the first
+    evaluation an epoch later. For a user's data factory only the ranks see real batches (the parent's dry build
+    checks ddpexp's data). In eval mode, with the RNG streams forked: nothing the run trains from changes."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        was_training = model.training
+        model.eval()
+        batches = eval_batches(dataset, dist.get_rank(), dist.get_world_size(), batch_size, device)
+        try:
+            for batch in batches:  # a rank with no val batch (a set smaller than the world) has nothing to check
+                with autocast:
+                    check_metrics(task.metrics(model, to_device(task, batch, device, memory_format)), name)
+                break
+        finally:
+            batches.close()
+            model.train(was_training)
+
+
+@torch.no_grad()
 def evaluate(
     task: Any, model: torch.nn.Module, dataset: Any, batch_size: int, device: torch.device, autocast: Any,
     memory_format: Any = torch.contiguous_format, name: str = "task",

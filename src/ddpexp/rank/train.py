@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import os
 import random
 import sys
@@ -31,8 +30,8 @@ from ddpexp.parts.tasks import check_loss, directions, objective_mode, samples, 
 from ddpexp.rank import checkpoint, distributed, speed
 from ddpexp.rank.best import Best, check_objective
 from ddpexp.rank.debug import DebugFaults
-from ddpexp.rank.evaluation import evaluate
-from ddpexp.rank.meter import Meter
+from ddpexp.rank.evaluation import check_metric_names, evaluate
+from ddpexp.rank.meter import Meter, line_due
 from ddpexp.rank.resume import Checkpointer, Position, Resumed, restore
 from ddpexp.rank.signals import REQUEUE
 
@@ -115,6 +114,8 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
     # Which way the objective (and each metric) is better, for the record: `ddpexp report` sorts by it. The
     # parent's check, again on the task the ranks built.
     objective = {"name": cfg.objective, "mode": objective_mode(task, p.task_name, cfg.objective, cfg.objective_mode)}
+    # The task's metric names, on one val batch of each rank: a collision fails before step 1, not an epoch later.
+    check_metric_names(task, p.model, p.splits.val, cfg.batch_size, device, p.autocast, p.memory_format, p.task_name)
 
     # Restore: the weights are in; now the optimizer, schedule, position, pending loss and (below) RNG streams.
     pos, final = Position(), {}
@@ -127,7 +128,8 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
     best = Best.restore(objective["mode"], resumed.state.get("best") if resumed is not None else None)
     if resumed is None and rank == 0:
         checkpoint.drop_best(job.checkpoint_dir)
-    meter = Meter(device, pos.last_log_step, getattr(task, "items", "items") if hasattr(task, "count") else None)
+    items = getattr(task, "items", "items") if hasattr(task, "count") else None
+    meter = Meter(device, pos.last_log_step, items, total_steps, pos.step)
     meter.loss += resumed.state["loss_sum"] if resumed is not None else 0.0
     checkpointer = Checkpointer(cfg, job, p.model, optimizer, p.scheduler, p.scaler, tracker)
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.dist_timeout_s))
@@ -174,8 +176,11 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
             reason = agreement.after_step()
             debug.after_step(step)
             tracker.progress(f"epoch {epoch} step {step}/{total_steps}")
-            if step % cfg.log_every_n_steps == 0 or step == total_steps:
+            line = line_due(step, pos.step, cfg.log_every_n_steps, total_steps)
+            if line == "log":
                 final["train/loss"] = meter.log(cfg, job, tracker, optimizer, step, epoch)
+            elif line == "started":  # the pace and ETA soon, even when an epoch is shorter than the log interval
+                meter.started(step, epoch)
             if reason:  # after the step of the batches already drawn (augmentation draws RNG): a resume redoes none
                 path = save(Position(epoch, consumed, step, meter.last[1]))
                 raise Stopped(stop.signame or "a rank's stop signal", reason == REQUEUE, step, path)
@@ -200,12 +205,9 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
             tracker.log(metrics, step, epoch)
             final.update(metrics)
             check_objective(cfg, final)
-            for key, value in metrics.items():
-                if not math.isfinite(value):
-                    meter.nonfinite(cfg, job, key, value, step, step)
+            sound = meter.check_metrics(cfg, job, metrics, step)  # weights a NaN step has spoilt are never the best
             log.info("epoch %d step %d: %s", epoch, step, " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
             # The best evaluation and the patience, decided from the all-reduced metrics: the same on every rank.
-            sound = meter.check_finite(cfg, job, step)  # weights a NaN step has spoilt are never the best
             if best.update(final.get(cfg.objective) if sound else None, step, epoch, cfg.early_stop.min_delta):
                 best.checkpoint = os.path.join(job.checkpoint_dir, checkpoint.BEST)
                 save(position, as_best=True)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ddpexp.config import Config
-from ddpexp.exceptions import NonFinite, Stopped
+from ddpexp.exceptions import ConfigError, NonFinite, Stopped
 from ddpexp.job import Job, write_json
 from ddpexp.rank import distributed, resume, speed
 from ddpexp.rank.signals import StopSignals
@@ -71,15 +71,16 @@ def main(cfg: Config, job: Job) -> str:
         log.warning("%s: stopped at step %d, checkpoint %s", e.signal, e.step, e.path)
     except BaseException as e:
         # The traceback to this rank's log file only: the launcher shows the failing rank's once, not every echo.
-        # A non-finite loss is no crash: its one line says all (every rank stopped at the same step).
+        # A non-finite loss is no crash: its one line says all (every rank stopped at the same step); so does a
+        # ConfigError (a task's metric name found on the ranks' first val batch), whose traceback the log keeps.
         if isinstance(e, NonFinite):
             log.error("%s", e)
-            detail = f"{type(e).__name__}: {e}"
         else:
             handlers[0].handle(
                 log.makeRecord(log.name, logging.ERROR, __file__, 0, "rank %d failed", (rank,), sys.exc_info())
             )
-            detail = traceback.format_exc()
+        one_line = isinstance(e, (NonFinite, ConfigError))
+        detail = f"{type(e).__name__}: {e}" if one_line else traceback.format_exc()
         summary["error"] = f"{type(e).__name__}: {e} (rank {rank})"
         write_json(job.error_path(rank), {"rank": rank, "time": time.time(), "traceback": detail})
         raise
