@@ -67,14 +67,9 @@ def build(cfg: Config, device: torch.device, resumed: Resumed | None) -> Parts:
     seed_everything(cfg.seed)
     splits = instantiate(cfg.data)
     task, task_name = instantiate(cfg.task, _convert_="all"), f"task={cfg.task['_target_']}"
-    model = call_accepting(instantiate(cfg.model, _partial_=True), **splits.facts).to(device)
-    precision, channels_last = speed.speed_defaults(cfg, device, model)
+    weights = resumed.state["model"] if resumed is not None else None
+    model, precision, channels_last = build_model(cfg, device, splits, weights)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    model = model.to(memory_format=memory_format)
-    if cfg.ddp.sync_batchnorm:
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if resumed is not None:
-        model.load_state_dict(resumed.state["model"])
     ddp = DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -94,9 +89,7 @@ def build(cfg: Config, device: torch.device, resumed: Resumed | None) -> Parts:
         call_accepting(instantiate(cfg.scheduler), optimizer, total_steps=total_steps) if cfg.scheduler else None
     )
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    autocast = torch.autocast(
-        device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16, enabled=precision != "fp32"
-    )
+    autocast = autocast_for(device, precision)
     log.info(
         "rank %d/%d on %s: %s train / %s val samples, %s steps/epoch, %d steps",
         rank, world_size, device, _length(splits.train), _length(splits.val), steps_per_epoch, total_steps,
@@ -106,6 +99,25 @@ def build(cfg: Config, device: torch.device, resumed: Resumed | None) -> Parts:
     step_model = torch.compile(ddp) if cfg.compile else ddp
     return Parts(splits, task, task_name, model, ddp, step_model, loader, n_batches, total_steps, optimizer,
                  scheduler, scaler, autocast, precision, channels_last, memory_format)  # fmt: skip
+
+
+def build_model(cfg: Config, device: torch.device, splits: Any, weights: Any) -> tuple[torch.nn.Module, str, bool]:
+    """(the model on `device` with `weights` if given, precision, channels_last): as training and `ddpexp eval`
+    (rank/eval_worker.py) both build it."""
+    model = call_accepting(instantiate(cfg.model, _partial_=True), **splits.facts).to(device)
+    precision, channels_last = speed.speed_defaults(cfg, device, model)
+    model = model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    if cfg.ddp.sync_batchnorm:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if weights is not None:
+        model.load_state_dict(weights)
+    return model, precision, channels_last
+
+
+def autocast_for(device: torch.device, precision: str) -> Any:
+    return torch.autocast(
+        device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16, enabled=precision != "fp32"
+    )
 
 
 def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Resumed | None, stop: Any) -> dict:
