@@ -22,11 +22,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run's job dir (outputs/DATE/TIME, a sweep's job)")
     parser.add_argument("--checkpoint", default="best", help="best (default), last, or a checkpoint file's PATH")
     parser.add_argument("--split", default="val", help="val (default) or test")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="gpus=3, device=cpu, batch_size=128, ...")
-    args = parser.parse_intermixed_args(argv)
-    record = report(
-        lambda: _evaluate(args.run_dir, args.checkpoint, args.split, args.overrides), Command(["eval", *argv])
-    )
+    args, overrides = parser.parse_known_args(argv)  # KEY=VALUE overrides anywhere: gpus=3, device=cpu, ...
+    unknown = [a for a in overrides if a.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    record = report(lambda: _evaluate(args.run_dir, args.checkpoint, args.split, overrides), Command(["eval", *argv]))
     metrics = " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in record["metrics"].items())
     print(
         f"ddpexp: eval of {args.checkpoint} (step {record['checkpoint_step']}) on {record['split']}, "

@@ -98,6 +98,7 @@ def evaluate(run_dir: str, checkpoint: str, split: str, overrides: Sequence[str]
     state = checkpoints.load(path)  # weights_only; refuses a file that is no ddpexp checkpoint
     cfg = eval_config(state["config"], overrides)
     spawn.resolve(cfg)
+    data.example(cfg.data)  # a built-in set's keys, checked in one line each
     data.prepare(cfg.data)
     with torch.random.fork_rng(devices=[]):  # the split must exist: built once here, as the ranks will build it
         torch.manual_seed(cfg.seed)
