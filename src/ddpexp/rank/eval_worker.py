@@ -1,4 +1,4 @@
-"""One rank of `ddpexp eval`: the run's parts built as training builds them (rank/train.py: build_model), the
+"""One rank of `ddpexp eval`: the run's parts built as training builds them (rank/model.py), the
 checkpoint's weights loaded, then the training's own exact evaluation (rank/evaluation.py) over the split asked
 for. Rank 0 writes the result where the parent said; the launcher calls `main(request, cfg, job)` per rank."""
 
@@ -16,7 +16,8 @@ from ddpexp.config import Config
 from ddpexp.job import Job, write_json
 from ddpexp.rank import checkpoint, distributed, speed
 from ddpexp.rank.evaluation import evaluate
-from ddpexp.rank.train import autocast_for, build_model, seed_everything
+from ddpexp.rank.model import autocast_for, build_model
+from ddpexp.rank.train import seed_everything
 from ddpexp.rank.worker import device_for
 
 

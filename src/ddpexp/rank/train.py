@@ -28,11 +28,12 @@ from ddpexp.job import Job
 from ddpexp.parts.loaders import train_loader, warn_about_sizes
 from ddpexp.parts.optim import build_optimizer, call_accepting
 from ddpexp.parts.tasks import check_loss, directions, objective_mode, samples, to_device
-from ddpexp.rank import checkpoint, distributed, speed
+from ddpexp.rank import checkpoint, distributed
 from ddpexp.rank.best import Best, check_objective
 from ddpexp.rank.debug import DebugFaults
 from ddpexp.rank.evaluation import evaluate
 from ddpexp.rank.meter import Meter
+from ddpexp.rank.model import autocast_for, build_model
 from ddpexp.rank.resume import Checkpointer, Position, Resumed, restore
 from ddpexp.rank.signals import REQUEUE
 
@@ -99,25 +100,6 @@ def build(cfg: Config, device: torch.device, resumed: Resumed | None) -> Parts:
     step_model = torch.compile(ddp) if cfg.compile else ddp
     return Parts(splits, task, task_name, model, ddp, step_model, loader, n_batches, total_steps, optimizer,
                  scheduler, scaler, autocast, precision, channels_last, memory_format)  # fmt: skip
-
-
-def build_model(cfg: Config, device: torch.device, splits: Any, weights: Any) -> tuple[torch.nn.Module, str, bool]:
-    """(the model on `device` with `weights` if given, precision, channels_last): as training and `ddpexp eval`
-    (rank/eval_worker.py) both build it."""
-    model = call_accepting(instantiate(cfg.model, _partial_=True), **splits.facts).to(device)
-    precision, channels_last = speed.speed_defaults(cfg, device, model)
-    model = model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    if cfg.ddp.sync_batchnorm:
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if weights is not None:
-        model.load_state_dict(weights)
-    return model, precision, channels_last
-
-
-def autocast_for(device: torch.device, precision: str) -> Any:
-    return torch.autocast(
-        device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16, enabled=precision != "fp32"
-    )
 
 
 def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Resumed | None, stop: Any) -> dict:
