@@ -6,6 +6,7 @@ lacks (a host node0, a partition gpu, CIFAR-10's files, a GPU) must be refused i
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -161,6 +162,17 @@ def best_kept(cmd: Command, work: Path, env: dict[str, str] | None) -> None:
     assert summary["stopped_early"] is False and summary["early_stop"]["patience"] == 3, summary
 
 
+def scores_the_test_split(cmd: Command, work: Path, env: dict[str, str] | None) -> None:
+    """`ddpexp eval` of README's run with a test split (made first, tiny, when this command runs alone)."""
+    job = work / "outputs" / "digits_test"
+    if not (job / "checkpoints" / "best.pt").exists():
+        made = next(c for c in ALL if c.text.endswith("hydra.run.dir=outputs/digits_test"))
+        succeeds(*TINY)(made, work, env)
+    succeeds()(cmd, work, env)
+    record = json.loads((job / "eval" / "best-test-1.json").read_text())
+    assert (record["split"], record["scored"], record["world_size"]) == ("test", 180, 2), record
+
+
 def niced(job: Path) -> None:
     summary = read_summary(job)
     assert (summary["launcher"], summary["niceness"], summary["status"]) == ("nice", 15, "completed"), summary
@@ -220,6 +232,9 @@ WAYS: list[tuple[str, Callable[..., None], bool]] = [
     (r"python -m ddpexp \+optimzer\.lr=0\.1$", prints_what_readme_shows(exit_code=2), False),
     (r"python -m ddpexp epochs=2 objective=val/loss early_stop\.patience=3 early_stop\.min_delta=0\.001$",
      best_kept, False),
+    (r"python -m ddpexp objective=val/loss \+data\.test_fraction=0\.1 hydra\.run\.dir=outputs/digits_test$",
+     succeeds(*TINY), False),
+    (r"python -m ddpexp eval outputs/digits_test --split test$", scores_the_test_split, False),
     (r"python -m ddpexp optimizer\.lr=1e30 checkpoint_every_n_steps=1$",
      prints_what_readme_shows("max_steps=4", "wandb.mode=disabled", "hydra.run.dir=nan", exit_code=1), False),
     (r".*launcher\.rdzv_endpoint=node0:29400$", refused("cannot resolve host 'node0'", "plan=true"), False),

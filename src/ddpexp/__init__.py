@@ -1,7 +1,8 @@
 """ddpexp: Hydra-configured PyTorch DistributedDataParallel experiments with pluggable launchers.
 
-`ddpexp.run([...])` runs from Python what the `ddpexp` command runs. Importing ddpexp imports neither torch nor
-Hydra: each name below is imported on first use."""
+`ddpexp.run([...])` runs from Python what the `ddpexp` command runs, `ddpexp.evaluate(run_dir, ...)` what
+`ddpexp eval` runs; `ddpexp.load_model(run_dir)` hands back a run's model with a checkpoint's weights. Importing
+ddpexp imports neither torch nor Hydra: each name below is imported on first use."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from ddpexp.cli.api import Summary, run
+    from ddpexp.cli.evaluate import evaluate, load_model
     from ddpexp.exceptions import ConfigError, Interrupted, RunFailed
 
 _PUBLIC = {"run": "ddpexp.cli.api", "Summary": "ddpexp.cli.api", "ConfigError": "ddpexp.exceptions",
-           "RunFailed": "ddpexp.exceptions", "Interrupted": "ddpexp.exceptions"}  # fmt: skip
-__all__ = ["ConfigError", "Interrupted", "RunFailed", "Summary", "run"]
+           "RunFailed": "ddpexp.exceptions", "Interrupted": "ddpexp.exceptions",
+           "evaluate": "ddpexp.cli.evaluate", "load_model": "ddpexp.cli.evaluate"}  # fmt: skip
+__all__ = ["ConfigError", "Interrupted", "RunFailed", "Summary", "evaluate", "load_model", "run"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,6 +1,7 @@
 """`ddpexp [overrides]` (or `python -m ddpexp`): Hydra composes ddpexp's configs (packaged as ddpexp/conf/) and a
 user project's (`--config-dir DIR`, or ./conf), then the parent runs the job (or each job of -m).
-`ddpexp report PATH...` tabulates finished jobs (ddpexp.report). From Python: ddpexp.run([...]) (ddpexp.cli.api)."""
+`ddpexp report PATH...` tabulates finished jobs (ddpexp.report); `ddpexp eval RUN_DIR` scores a run's checkpoint
+again (ddpexp.cli.evaluate). From Python: ddpexp.run([...]) (ddpexp.cli.api), ddpexp.evaluate, ddpexp.load_model."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ def main() -> None:
         from ddpexp.report.main import main as report_main
 
         sys.exit(report_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["eval"]:  # `ddpexp eval RUN_DIR ...`: the run's own config, composes none
+        from ddpexp.cli.evaluate import main as eval_main
+
+        sys.exit(eval_main(sys.argv[2:]))
     if sys.argv[1:2] == ["--version"]:  # hydra.main's own --version names Hydra's version
         from importlib.metadata import version
 

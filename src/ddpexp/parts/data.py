@@ -31,7 +31,8 @@ DIGITS, DIABETES = 1797, 442  # samples in scikit-learn's load_digits(), load_di
 
 class Splits:
     """What a data factory returns; a user factory (`data._target_`) returns one of these too: the train and val
-    datasets (map-style or iterable, yielding any batch shape the task reads) and the facts a model needs to fit
+    datasets (map-style or iterable, yielding any batch shape the task reads), optionally a test set that training
+    never touches (scored only by `ddpexp eval --split test`), and the facts a model needs to fit
     them, passed to `model._target_` by name when it takes them: num_classes, in_channels and image_size for
     images; in_features and out_features for tabular data; vocab_size and block_size for text; any other names
     a user's model takes (`Splits(train, val, n_mels=80)`)."""
@@ -40,12 +41,13 @@ class Splits:
         self,
         train: Any,
         val: Any,
+        test: Any = None,
         num_classes: int | None = None,
         in_channels: int | None = None,
         image_size: int | None = None,
         **facts: Any,
     ):
-        self.train, self.val = train, val
+        self.train, self.val, self.test = train, val, test
         images = {"num_classes": num_classes, "in_channels": in_channels, "image_size": image_size}
         self.facts: dict[str, Any] = {k: v for k, v in images.items() if v is not None} | facts
 
@@ -56,18 +58,29 @@ class Splits:
         raise AttributeError(f"Splits has no {name!r} (its facts: {', '.join(facts) or 'none'})")
 
 
-def digits(val_fraction: float = 0.2, seed: int = 0) -> Splits:
-    """scikit-learn's real 8x8 handwritten digits (1797 images): the offline default."""
+def digits(val_fraction: float = 0.2, seed: int = 0, test_fraction: float = 0.0) -> Splits:
+    """scikit-learn's real 8x8 handwritten digits (1797 images): the offline default. test_fraction > 0 carves a
+    test split too (see _carve)."""
     import torch
 
     images, target = _digits_arrays()
     x = (torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0 - 0.5) / 0.5
     y = torch.tensor(target, dtype=torch.long)
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    n_val = round(len(y) * val_fraction)
-    val, train = perm[:n_val], perm[n_val:]
+    train, val, test = _carve(len(y), val_fraction, test_fraction, seed)
     tds = torch.utils.data.TensorDataset
-    return Splits(tds(x[train], y[train]), tds(x[val], y[val]), num_classes=10, in_channels=1, image_size=8)
+    return Splits(tds(x[train], y[train]), tds(x[val], y[val]), tds(x[test], y[test]) if len(test) else None,
+                  num_classes=10, in_channels=1, image_size=8)  # fmt: skip
+
+
+def _carve(n: int, val_fraction: float, test_fraction: float, seed: int) -> tuple[Any, Any, Any]:
+    """Disjoint (train, val, test) indices of one seeded permutation: val its first round(n * val_fraction), test
+    the next round(n * test_fraction), train the rest. With test_fraction 0 train and val are exactly those of
+    the versions before test splits existed, so earlier runs resume and compare unchanged."""
+    import torch
+
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_val, n_test = round(n * val_fraction), round(n * test_fraction)
+    return perm[n_val + n_test :], perm[:n_val], perm[n_val : n_val + n_test]
 
 
 def _digits_arrays() -> tuple[Any, Any]:
@@ -170,34 +183,36 @@ def fake(
     return Splits(train, val, num_classes=num_classes, in_channels=in_channels, image_size=image_size)
 
 
-def diabetes(val_fraction: float = 0.2, seed: int = 0) -> Splits:
+def diabetes(val_fraction: float = 0.2, seed: int = 0, test_fraction: float = 0.0) -> Splits:
     """scikit-learn's diabetes data: 442 patients, 10 features, a measure of disease progression one year later.
     Real regression data, offline. Features and target are standardized with the train split's mean and std, so
-    predicting the mean scores val/mse of about 1 and val/r2 of about 0."""
+    predicting the mean scores val/mse of about 1 and val/r2 of about 0. test_fraction > 0: a test split (_carve)."""
     import torch
     from sklearn.datasets import load_diabetes
 
     d = load_diabetes()
     x = torch.tensor(d.data, dtype=torch.float32)
     y = torch.tensor(d.target, dtype=torch.float32).unsqueeze(1)
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    n_val = round(len(y) * val_fraction)
-    val, train = perm[:n_val], perm[n_val:]
+    train, val, test = _carve(len(y), val_fraction, test_fraction, seed)
     (mx, sx), (my, sy) = ((t[train].mean(0), t[train].std(0)) for t in (x, y))
     x, y = (x - mx) / sx, (y - my) / sy
     tds = torch.utils.data.TensorDataset
-    return Splits(tds(x[train], y[train]), tds(x[val], y[val]), in_features=10, out_features=1)
+    test_set = tds(x[test], y[test]) if len(test) else None
+    return Splits(tds(x[train], y[train]), tds(x[val], y[val]), test_set, in_features=10, out_features=1)
 
 
 # Characters of stdlib_text: tab, newline and printable ASCII; every other character is one more id.
 VOCAB = "\t\n" + "".join(chr(c) for c in range(32, 127))
 
 
-def stdlib_text(block_size: int = 64, max_chars: int = 300_000, val_fraction: float = 0.1) -> Splits:
+def stdlib_text(
+    block_size: int = 64, max_chars: int = 300_000, val_fraction: float = 0.1, test_fraction: float = 0.0
+) -> Splits:
     """Character-level text that every Python install has: the standard library's own source (the .py files
     beside the `os` module, by name, up to max_chars characters; so it depends on the Python version). Samples
     are non-overlapping windows of block_size characters, targets the same windows shifted by one character;
-    the last val_fraction of the windows (the end of the text) is the val set."""
+    the last val_fraction of the windows (the end of the text) is the val set; test_fraction > 0 takes that many
+    windows from the very end as a test set, after the val set."""
     import numpy as np
     import torch
 
@@ -213,15 +228,16 @@ def stdlib_text(block_size: int = 64, max_chars: int = 300_000, val_fraction: fl
     ids = torch.from_numpy(np.where(codes < 128, table[np.minimum(codes, 127)], len(VOCAB)))
     windows = (len(ids) - 1) // block_size
     x, y = (ids[o : o + windows * block_size].view(windows, block_size) for o in (0, 1))
-    n_val = round(windows * val_fraction)
-    if not 0 < n_val < windows:
+    n_val, n_test = round(windows * val_fraction), round(windows * test_fraction)
+    if not (0 < n_val and n_val + n_test < windows):
         raise ConfigError(
-            f"data: {len(ids)} characters make {windows} windows of block_size={block_size}; "
-            f"val_fraction={val_fraction} must leave >= 1 to each split (raise data.max_chars)"
+            f"data: {len(ids)} characters make {windows} windows of block_size={block_size}; val_fraction="
+            f"{val_fraction} and test_fraction={test_fraction} must leave >= 1 to each split (raise data.max_chars)"
         )
-    tds = torch.utils.data.TensorDataset
-    train, val = tds(x[:-n_val], y[:-n_val]), tds(x[-n_val:], y[-n_val:])
-    return Splits(train, val, vocab_size=len(VOCAB) + 1, block_size=block_size)
+    tds, end = torch.utils.data.TensorDataset, windows - n_test
+    train, val = tds(x[: end - n_val], y[: end - n_val]), tds(x[end - n_val : end], y[end - n_val : end])
+    test = tds(x[end:], y[end:]) if n_test else None
+    return Splits(train, val, test, vocab_size=len(VOCAB) + 1, block_size=block_size)
 
 
 def prepare(data_cfg: dict) -> None:
@@ -268,10 +284,12 @@ def example(data_cfg: dict) -> tuple[dict[str, Any], Callable[[int], Any]] | Non
         _check_int(kwargs, "crop_padding", 0, "(0: no random crop)")
     if factory in (digits, diabetes):
         total, what = (DIGITS, "digits") if factory is digits else (DIABETES, "patients")
-        fraction = kwargs["val_fraction"]
+        fraction, test = kwargs["val_fraction"], kwargs["test_fraction"]
         n_val = round(total * fraction) if isinstance(fraction, (int, float)) else 0
         if not 0 < n_val < total:
             raise ConfigError(f"data.val_fraction={fraction!r}: must leave >= 1 of the {total} {what} to each split")
+        if not isinstance(test, (int, float)) or test < 0 or n_val + round(total * test) >= total:
+            raise ConfigError(f"data.test_fraction={test!r}: must be >= 0 and leave >= 1 of the {total} {what} to train")  # fmt: skip
     if factory is diabetes:
         return {"in_features": 10, "out_features": 1}, lambda n: (torch.empty(n, 10), torch.empty(n, 1))
     if factory is stdlib_text:
@@ -280,6 +298,9 @@ def example(data_cfg: dict) -> tuple[dict[str, Any], Callable[[int], Any]] | Non
         fraction = kwargs["val_fraction"]
         if not (isinstance(fraction, (int, float)) and 0 < fraction < 1):
             raise ConfigError(f"data.val_fraction={fraction!r}: must be > 0 and < 1")
+        test = kwargs["test_fraction"]
+        if not (isinstance(test, (int, float)) and 0 <= test < 1 - fraction):
+            raise ConfigError(f"data.test_fraction={test!r}: must be >= 0 and < 1 - val_fraction")
         t = kwargs["block_size"]
         tokens = lambda n: (torch.zeros(n, t, dtype=torch.long), torch.zeros(n, t, dtype=torch.long))  # noqa: E731
         return {"vocab_size": len(VOCAB) + 1, "block_size": t}, tokens

@@ -40,9 +40,9 @@ def check_metric_names(
 @torch.no_grad()
 def evaluate(
     task: Any, model: torch.nn.Module, dataset: Any, batch_size: int, device: torch.device, autocast: Any,
-    memory_format: Any = torch.contiguous_format, name: str = "task",
+    memory_format: Any = torch.contiguous_format, name: str = "task", split: str = "val",
 ) -> tuple[dict[str, float], int | None]:  # fmt: skip
-    """({val/NAME: value}, samples scored over all ranks).
+    """({val/NAME: value}, samples scored over all ranks); `split` names the metrics (`ddpexp eval`: test/NAME).
 
     Runs on the unwrapped module: DDP's forward would broadcast buffers, a collective that hangs when the ranks
     hold different numbers of batches. So rank 0's buffers (BatchNorm's running stats, which each rank updated
@@ -69,7 +69,7 @@ def evaluate(
     averages = {k: (s / c if c else float("nan")) for k, (s, c) in zip(names, values)}
     averages = finalize(task, averages)
     scored_all = int(values[-1][0]) if min(n for _, n in gathered) >= 0 else None
-    return {f"val/{k}": float(v) for k, v in averages.items() if not k.startswith("_")}, scored_all
+    return {f"{split}/{k}": float(v) for k, v in averages.items() if not k.startswith("_")}, scored_all
 
 
 def _score(task, model, dataset, batch_size, device, autocast, memory_format, name) -> tuple[dict, int]:  # type: ignore[no-untyped-def]

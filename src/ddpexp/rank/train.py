@@ -27,11 +27,12 @@ from ddpexp.job import Job
 from ddpexp.parts.loaders import train_loader, warn_about_sizes
 from ddpexp.parts.optim import build_optimizer, call_accepting
 from ddpexp.parts.tasks import check_loss, directions, objective_mode, samples, to_device
-from ddpexp.rank import checkpoint, distributed, speed
+from ddpexp.rank import checkpoint, distributed
 from ddpexp.rank.best import Best, check_objective
 from ddpexp.rank.debug import DebugFaults
 from ddpexp.rank.evaluation import check_metric_names, evaluate
 from ddpexp.rank.meter import Meter, line_due
+from ddpexp.rank.model import autocast_for, build_model
 from ddpexp.rank.resume import Checkpointer, Position, Resumed, restore
 from ddpexp.rank.signals import REQUEUE
 
@@ -66,14 +67,9 @@ def build(cfg: Config, device: torch.device, resumed: Resumed | None) -> Parts:
     seed_everything(cfg.seed)
     splits = instantiate(cfg.data)
     task, task_name = instantiate(cfg.task, _convert_="all"), f"task={cfg.task['_target_']}"
-    model = call_accepting(instantiate(cfg.model, _partial_=True), **splits.facts).to(device)
-    precision, channels_last = speed.speed_defaults(cfg, device, model)
+    weights = resumed.state["model"] if resumed is not None else None
+    model, precision, channels_last = build_model(cfg, device, splits, weights)
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    model = model.to(memory_format=memory_format)
-    if cfg.ddp.sync_batchnorm:
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if resumed is not None:
-        model.load_state_dict(resumed.state["model"])
     ddp = DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -93,9 +89,7 @@ def build(cfg: Config, device: torch.device, resumed: Resumed | None) -> Parts:
         call_accepting(instantiate(cfg.scheduler), optimizer, total_steps=total_steps) if cfg.scheduler else None
     )
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    autocast = torch.autocast(
-        device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16, enabled=precision != "fp32"
-    )
+    autocast = autocast_for(device, precision)
     log.info(
         "rank %d/%d on %s: %s train / %s val samples, %s steps/epoch, %d steps",
         rank, world_size, device, _length(splits.train), _length(splits.val), steps_per_epoch, total_steps,

@@ -37,7 +37,7 @@ def main(cfg: Config, job: Job) -> str:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     handlers = _setup_logging(job, rank)
-    device = _device(cfg, local_rank)
+    device = device_for(cfg, local_rank)
     threads = speed.limit_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     keep_freed = cfg.keep_freed_memory and speed.keep_freed_memory()
     distributed.init(device, cfg.dist_timeout_s)
@@ -99,7 +99,7 @@ def main(cfg: Config, job: Job) -> str:
     return str(summary["status"])
 
 
-def _device(cfg: Config, local_rank: int) -> torch.device:
+def device_for(cfg: Config, local_rank: int) -> torch.device:
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if not use_cuda:
         return torch.device("cpu")
