@@ -23,7 +23,7 @@ from ddpexp.config import Config
 from ddpexp.exceptions import ConfigError, Interrupted, RankFailure
 from ddpexp.job import Job, read_json, write_json
 from ddpexp.launchers.base import Handle, tail
-from ddpexp.parent import check
+from ddpexp.parent import check, parallel
 from ddpexp.parent.objective import needs_each_value
 from ddpexp.parent.plan import render as render_plan
 from ddpexp.parent.resume_decision import check_resume, config_sha256
@@ -61,6 +61,9 @@ def run(dcfg: DictConfig, cmd: Command) -> float | None:
     from ddpexp.rank import worker  # torch and the training stack, only once the config is known to be good
 
     cmd.launched.add(job.dir)  # from here on, .hydra/ records this attempt
+    if in_parallel(cfg, launcher):  # sweep.parallel=N: a child process of this command runs it (parent/parallel.py)
+        parallel.start(cmd, launch_function(cfg.launcher._target_), worker.main, cfg, job, start)
+        return None
     try:
         handle = launch_function(cfg.launcher._target_)(worker.main, cfg, job)
     except RankFailure as e:
@@ -137,16 +140,53 @@ def wait(job: Job, handle: Handle, start: float) -> float | None:
 
 
 def wait_deferred(cmd: Command) -> list[str]:
-    """After a multirun's submissions: wait for each job; returns the failed ones as "job_dir: error"."""
+    """After a multirun's submissions: wait for each job; returns the failed ones as "job_dir: error". The jobs
+    running at once here (sweep.parallel) are all waited for first, even after one stopped on a signal."""
+    if cmd.pool is not None:
+        cmd.pool.drain(cmd)
     failed, deferred = [], cmd.deferred
     while deferred:
-        job, handle, start = deferred.pop(0)
-        try:
-            wait(job, handle, start)
-        except RankFailure as e:
-            failed.append(f"{job.dir}: {str(e).splitlines()[0]}")
-            print(f"ddpexp: error: job {job.dir}: {e}", file=sys.stderr)
+        failure = wait_one(*deferred.pop(0))
+        if failure is not None:
+            failed.append(failure)
     return failed
+
+
+def wait_one(job: Job, handle: Handle, start: float) -> str | None:
+    """A deferred job waited for: its failure as "job_dir: error" (said on stderr), else None."""
+    try:
+        wait(job, handle, start)
+    except RankFailure as e:
+        print(f"ddpexp: error: job {job.dir}: {e}", file=sys.stderr)
+        return f"{job.dir}: {str(e).splitlines()[0]}"
+    return None
+
+
+def in_parallel(cfg: Config, launcher: ModuleType) -> bool:
+    """A job of a basic sweep with sweep.parallel > 1 on a launcher that runs its ranks here."""
+    hc = HydraConfig.get()
+    return (
+        cfg.sweep.parallel > 1
+        and hc.mode == RunMode.MULTIRUN
+        and getattr(launcher, "SWEEP_PARALLEL", None) == parallel.LOCAL
+        and not needs_each_value(hc)
+    )
+
+
+def check_job(dcfg: DictConfig) -> str | None:
+    """What `run` checks of a job before its dir is made (the launcher, the typed config, this machine's devices
+    for a launcher that runs ranks here, sweep.parallel, the parts' dry build): a basic sweep checks every job
+    this way before the first starts. Returns a warning line, if any."""
+    launcher = find_launcher(dcfg)
+    cfg = to_config(dcfg)
+    if getattr(launcher, "SWEEP_PARALLEL", None) == parallel.LOCAL:  # cheap here; a scheduler's asks the network
+        launcher.resolve(cfg)
+    config = OmegaConf.to_container(dcfg, resolve=True)
+    config.update(gpus=cfg.gpus, device=cfg.device)  # type: ignore[union-attr]
+    warning = parallel.check(cfg, launcher, HydraConfig.get().runtime.choices["launcher"], config)  # type: ignore[arg-type]
+    if not cfg.plan:
+        check.components(cfg)
+    return warning
 
 
 def finish(job: Job, start: float) -> float | None:
