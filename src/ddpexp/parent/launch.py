@@ -146,20 +146,13 @@ def wait_deferred(cmd: Command) -> list[str]:
         cmd.pool.drain(cmd)
     failed, deferred = [], cmd.deferred
     while deferred:
-        failure = wait_one(*deferred.pop(0))
-        if failure is not None:
-            failed.append(failure)
+        job, handle, start = deferred.pop(0)
+        try:
+            wait(job, handle, start)
+        except RankFailure as e:
+            failed.append(f"{job.dir}: {str(e).splitlines()[0]}")
+            print(f"ddpexp: error: job {job.dir}: {e}", file=sys.stderr)
     return failed
-
-
-def wait_one(job: Job, handle: Handle, start: float) -> str | None:
-    """A deferred job waited for: its failure as "job_dir: error" (said on stderr), else None."""
-    try:
-        wait(job, handle, start)
-    except RankFailure as e:
-        print(f"ddpexp: error: job {job.dir}: {e}", file=sys.stderr)
-        return f"{job.dir}: {str(e).splitlines()[0]}"
-    return None
 
 
 def in_parallel(cfg: Config, launcher: ModuleType) -> bool:

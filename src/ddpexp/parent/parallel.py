@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from hydra.core.hydra_config import HydraConfig
+
 from ddpexp.exceptions import ConfigError, Interrupted, RankFailure
 from ddpexp.job import Job, read_json, write_json
 from ddpexp.launchers.processes import STOP_SIGNALS, die_with_parent, forward_signals, stop_signals_blocked, terminate
@@ -82,7 +84,7 @@ def start(cmd: Command, launch: Callable[..., Any], worker: Callable[..., None],
             target=_job_process, args=(launch, worker, cfg, job, cfg.device, share, t0), name=f"ddpexp-{job.dir}"
         )
         process.start()
-    handle = JobProcess(process, job)
+    handle = JobProcess(process, job, HydraConfig.get().job.num)
     pool.running.append((handle, slot))
     cmd.deferred.append((job, handle, t0))
 
@@ -93,8 +95,8 @@ class JobProcess:
 
     queued = False
 
-    def __init__(self, process: Any, job: Job):
-        self.process, self.job = process, job
+    def __init__(self, process: Any, job: Job, num: int):
+        self.process, self.job, self.num = process, job, num
 
     def wait(self) -> None:
         self.process.join()
@@ -128,16 +130,19 @@ class Pool:
             raise
 
     def _wait(self, cmd: Command, handle: JobProcess) -> None:
-        from ddpexp.parent.launch import wait_one
+        """As a sequential sweep's job: its result line, or its failure in one line and counted."""
+        from ddpexp.parent.launch import wait
 
         entry = next(e for e in cmd.deferred if e[1] is handle)
         cmd.deferred.remove(entry)
         try:
-            failed = wait_one(*entry)
+            wait(*entry)
+        except RankFailure as e:
+            line = str(e).splitlines()[0]
+            cmd.failed.append(f"{handle.job.dir}: {line}")
+            print(f"ddpexp: error: job {handle.num} failed: {line}", file=sys.stderr)
         finally:
             self.running = [(h, s) for h, s in self.running if h is not handle]
-        if failed is not None:
-            cmd.failed.append(failed)
 
     def drain(self, cmd: Command) -> None:
         """Wait for every running job; then the first one that a signal stopped is raised (its resume line)."""
