@@ -79,7 +79,7 @@ class Command:
     def wait_deferred(self) -> None:
         """After a multirun's submissions: wait for the scheduler's jobs."""
         if self.deferred or self.pool is not None:
-            from ddpexp.parent.launch import wait_deferred
+            from ddpexp.parent.wait import wait_deferred
 
             self.failed.extend(wait_deferred(self))
 

@@ -188,9 +188,9 @@ def _sweeper_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., 
     search whose trials depend on earlier results, and a sweeper `direction` against the objective's mode, are
     refused here, before the search begins (hydra/_internal/hydra.py Hydra.multirun instantiates the sweeper, with
     the composed config, before it calls its sweep)."""
+    from ddpexp.parent.launch import every_job_checked_first
     from ddpexp.parent.objective import check_sweeper_direction, refuse_for_search
     from ddpexp.parent.outside import refuse_sweep
-    from ddpexp.parent.sweep import every_job_checked_first
 
     def _instantiate_sweeper(self: Any, **kwargs: Any) -> Any:
         config = kwargs["config"]

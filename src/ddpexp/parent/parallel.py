@@ -21,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from ddpexp.exceptions import ConfigError, Interrupted, RankFailure
 from ddpexp.job import Job, read_json, write_json
 from ddpexp.launchers.processes import STOP_SIGNALS, die_with_parent, forward_signals, stop_signals_blocked, terminate
+from ddpexp.parent.wait import first_failure, interrupted_message, record_failure, wait
 
 if TYPE_CHECKING:  # the command holds the pool; the type only, no import circle
     from ddpexp.cli.command import Command
@@ -76,7 +77,7 @@ def start(cmd: Command, launch: Callable[..., Any], worker: Callable[..., None],
         pool.wait_oldest(cmd)
     if pool.forwarding.received:  # stopped: no new job; this one's resume line is the sweep's
         pool.drain(cmd)
-        raise Interrupted(_message(job, {"signal": pool.forwarding.received}))
+        raise Interrupted(interrupted_message(job, {"signal": pool.forwarding.received}))
     slot = min(set(range(pool.n)) - {s for _, s in pool.running})
     share = pool.slots[slot][: cfg.gpus] if cfg.device == "cuda" else pool.slots[slot]
     with stop_signals_blocked():  # the child takes a signal only once it has set its own handlers
@@ -131,8 +132,6 @@ class Pool:
 
     def _wait(self, cmd: Command, handle: JobProcess) -> None:
         """As a sequential sweep's job: its result line, or its failure in one line and counted."""
-        from ddpexp.parent.launch import wait
-
         entry = next(e for e in cmd.deferred if e[1] is handle)
         cmd.deferred.remove(entry)
         try:
@@ -183,8 +182,6 @@ def _job_process(
     t0: float,
 ) -> None:
     """One job, in its own process: its devices, then the launcher's launch and wait, as the command does."""
-    from ddpexp.parent.launch import first_failure, record_failure
-
     die_with_parent()
     os.setpgid(0, 0)  # out of the terminal's group: the command hands a Ctrl-C on, once
     for sig in STOP_SIGNALS:
@@ -209,9 +206,3 @@ def _job_process(
     except BaseException as e:
         record_failure(job, e, time.time() - t0)
         raise
-
-
-def _message(job: Job, summary: dict[str, Any]) -> str:
-    from ddpexp.parent.launch import interrupted_message
-
-    return interrupted_message(job, summary)

@@ -1,15 +1,12 @@
 """Job-dir bookkeeping for the guard around Hydra's `run_job` (ddpexp.cli.hydra_patches): a job's dir as Hydra names it,
 its .hydra/ files, and whether it completed there already with the same config (a sweep run again into the same
-sweep dir skips those jobs, their files untouched, and runs the rest, which resume from their own checkpoints);
-and every job of a basic sweep checked before the first starts."""
+sweep dir skips those jobs, their files untouched, and runs the rest, which resume from their own checkpoints)."""
 
 from __future__ import annotations
 
 import copy
 import importlib
 import os
-import sys
-from collections.abc import Callable
 from typing import Any
 
 import yaml
@@ -80,36 +77,3 @@ def completed_job(config: DictConfig, job_dir: str) -> Any:
         overrides=overrides, cfg=task_cfg, hydra_cfg=config, working_dir=os.getcwd(),
         task_name=config.hydra.job.name, status=JobStatus.COMPLETED, _return_value=objective,
     )  # fmt: skip
-
-
-def every_job_checked_first(
-    launcher: Any, launch: Callable[..., Any], refused: Callable[[int, Exception], BaseException]
-) -> Callable[..., Any]:
-    """Hydra's BasicLauncher composes and runs one job after the other (basic_launcher.py BasicLauncher.launch,
-    L64-L82: load_sweep_config, then run_job), so a bad value in the last job would be found after the others
-    trained. Every job of the batch is composed and checked first, as `run` checks it (parent.launch.check_job):
-    `refused(job_num, error)` is raised for a bad one, before any job starts."""
-    from hydra.core.hydra_config import HydraConfig
-
-    from ddpexp.parent.launch import check_job
-
-    def _checked_launch(job_overrides: Any, initial_job_idx: int) -> Any:
-        warnings = []
-        for idx, overrides in enumerate(job_overrides, initial_job_idx):
-            config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
-            with open_dict(config):
-                config.hydra.job.id = config.hydra.job.num = idx
-            HydraConfig.instance().set_config(config)
-            task_cfg = copy.deepcopy(config)  # what the task gets: run_job takes `hydra` out (core/utils.py L136)
-            with read_write(task_cfg), open_dict(task_cfg):
-                del task_cfg["hydra"]
-            try:
-                warning = check_job(task_cfg)
-            except Exception as e:
-                raise refused(idx, e) from None
-            if warning is not None and warning not in warnings:
-                warnings.append(warning)
-                print(f"ddpexp: warning: {warning}", file=sys.stderr, flush=True)
-        return launch(job_overrides, initial_job_idx)
-
-    return _checked_launch
