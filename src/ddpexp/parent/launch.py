@@ -64,6 +64,7 @@ def run(dcfg: DictConfig, cmd: Command) -> float | None:
 
     cmd.launched.add(job.dir)  # from here on, .hydra/ records this attempt
     if in_parallel(cfg, launcher):  # sweep.parallel=N: a child process of this command runs it (parent/parallel.py)
+        parallel.check(cfg, launcher, job.launcher, config)  # type: ignore[arg-type]  # also before a basic sweep
         parallel.start(cmd, launch_function(cfg.launcher._target_), worker.main, cfg, job, start)
         return None
     try:
