@@ -85,7 +85,7 @@ def start(cmd: Command, launch: Callable[..., Any], worker: Callable[..., None],
             target=_job_process, args=(launch, worker, cfg, job, cfg.device, share, t0), name=f"ddpexp-{job.dir}"
         )
         process.start()
-    handle = JobProcess(process, job, HydraConfig.get().job.num)
+    handle = JobProcess(process, job, HydraConfig.get().job.num, t0)
     pool.running.append((handle, slot))
     cmd.deferred.append((job, handle, t0))
 
@@ -96,8 +96,8 @@ class JobProcess:
 
     queued = False
 
-    def __init__(self, process: Any, job: Job, num: int):
-        self.process, self.job, self.num = process, job, num
+    def __init__(self, process: Any, job: Job, num: int, t0: float):
+        self.process, self.job, self.num, self.t0 = process, job, num, t0
 
     def wait(self) -> None:
         self.process.join()
@@ -156,11 +156,14 @@ class Pool:
             raise stopped
 
     def close(self) -> None:
-        """The command ends: a job still running (a second Ctrl-C, an error) goes with it (its ranks die with it)."""
+        """The command ends: a job still running (a second Ctrl-C, an error) goes with it (its ranks die with it),
+        its record saying so, as a sequential job's does."""
         self.forwarding.__exit__()
         for handle, _ in self.running:
             if handle.process.is_alive():
                 handle.process.kill()
+                handle.process.join(timeout=10)
+                record_failure(handle.job, KeyboardInterrupt(), time.time() - handle.t0)
         self.running = []
 
 
