@@ -59,12 +59,15 @@ def run(dcfg: DictConfig, cmd: Command) -> float | None:
         return done
     data.prepare(cfg.data)
     check.components(cfg)
+    at_once = in_parallel(cfg, launcher)  # sweep.parallel=N: a child process of this command runs the job
+    if at_once:
+        parallel.check(cfg, launcher, job.launcher, config)  # type: ignore[arg-type]  # also before a basic sweep
+        parallel.make_room(cmd, cfg, job)
 
     from ddpexp.rank import worker  # torch and the training stack, only once the config is known to be good
 
     cmd.launched.add(job.dir)  # from here on, .hydra/ records this attempt
-    if in_parallel(cfg, launcher):  # sweep.parallel=N: a child process of this command runs it (parent/parallel.py)
-        parallel.check(cfg, launcher, job.launcher, config)  # type: ignore[arg-type]  # also before a basic sweep
+    if at_once:
         parallel.start(cmd, launch_function(cfg.launcher._target_), worker.main, cfg, job, start)
         return None
     try:

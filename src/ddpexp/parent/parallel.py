@@ -68,8 +68,8 @@ def check(cfg: Any, launcher: Any, name: str, config: dict[str, Any]) -> str | N
     return None
 
 
-def start(cmd: Command, launch: Callable[..., Any], worker: Callable[..., None], cfg: Any, job: Job, t0: float) -> None:
-    """Start `job` in a child process with its share of the devices, once fewer than `sweep.parallel` run."""
+def make_room(cmd: Command, cfg: Any, job: Job) -> None:
+    """Wait until fewer than `sweep.parallel` jobs run; after a stop signal, for all of them, then raise."""
     if cmd.pool is None:
         cmd.pool = Pool(cfg.sweep.parallel, devices(cfg.device))
     pool: Pool = cmd.pool
@@ -78,6 +78,11 @@ def start(cmd: Command, launch: Callable[..., Any], worker: Callable[..., None],
     if pool.forwarding.received:  # stopped: no new job; this one's resume line is the sweep's
         pool.drain(cmd)
         raise Interrupted(interrupted_message(job, {"signal": pool.forwarding.received}))
+
+
+def start(cmd: Command, launch: Callable[..., Any], worker: Callable[..., None], cfg: Any, job: Job, t0: float) -> None:
+    """Start `job` in a child process with its share of the devices (make_room first)."""
+    pool: Pool = cmd.pool
     slot = min(set(range(pool.n)) - {s for _, s in pool.running})
     share = pool.slots[slot][: cfg.gpus] if cfg.device == "cuda" else pool.slots[slot]
     with stop_signals_blocked():  # the child takes a signal only once it has set its own handlers
@@ -189,15 +194,17 @@ def _job_process(
     os.setpgid(0, 0)  # out of the terminal's group: the command hands a Ctrl-C on, once
     for sig in STOP_SIGNALS:
         signal.signal(sig, _early)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     if device == "cuda":
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(share)
     else:
         os.sched_setaffinity(0, [int(c) for c in share])
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # one that came since the fork arrives here
         launch(worker, cfg, job).wait()
-    except _Early as e:
+    except _Early as e:  # before the ranks started, or after they ended (a completed record stays so)
         earlier = read_json(job.summary_path) or {"launcher": job.launcher, "config_sha256": job.config_sha256}
+        if earlier.get("status") == "completed":
+            sys.exit(0)
         write_json(job.summary_path, {**earlier, "status": "interrupted", "signal": str(e)})
         sys.exit(130)
     except RankFailure as e:
