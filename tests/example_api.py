@@ -42,8 +42,12 @@ if __name__ == "__main__":  # spawned ranks import this file again
         "again": attempt([*wine, "debug.check_replicas=true", "hydra.run.dir=api"]),
         # gpus=1 runs its rank in this process, and the calls after it must not mind
         "rank_fails": attempt([*wine, "gpus=1", "debug.fail_at_step=2", "hydra.run.dir=fails"]),
-        # batch_size=0 stops its job before any rank starts
-        "sweep": attempt([*wine, "gpus=1", "batch_size=32,0", "hydra.sweep.dir=sweep"], multirun=True),
+        # job 1's rank fails; the sweep goes on and says so
+        "sweep": attempt(
+            [*wine, "gpus=1", "debug.fail_at_step=1", "debug.fail_rank=1,0", "hydra.sweep.dir=sweep"], multirun=True
+        ),  # fmt: skip
+        # batch_size=0 in job 1 stops the sweep before job 0 starts
+        "sweep_refused": attempt([*wine, "gpus=1", "batch_size=32,0", "hydra.sweep.dir=refused"], multirun=True),
         "plan": attempt(["plan=true", "hydra.run.dir=plan"]),
     }
     results["after"] = {

@@ -115,17 +115,17 @@ def test_example_project_via_python(project: Path) -> None:
     assert [s["record"]["status"] for s in fails["summaries"]] == ["failed"]
 
     sweep = r["sweep"]
+    failed = "rank 0 failed: RuntimeError: debug.fail_at_step=1: rank 0 fails on purpose"
     assert sweep["raised"] == "RunFailed" and sweep["message"] == (
-        f"1 job(s) of the sweep failed:\n  {project / 'sweep' / '1'}: batch_size=0: must be >= 1 (per process)"
+        f"1 job(s) of the sweep failed:\n  {project / 'sweep' / '1'}: {failed}"
     )
-    done, refused = sweep["summaries"]
+    done, fails = sweep["summaries"]
     assert done["job_dir"] == str(project / "sweep" / "0") and done["record"]["status"] == "completed"
-    assert done["record"]["world_size"] == 1  # refused before its ranks: a record that says so, for `report`
-    assert refused["record"] == {
-        "status": "failed",
-        "error": "batch_size=0: must be >= 1 (per process)",
-        "refused": True,
-    }
+    assert done["record"]["world_size"] == 1 and fails["record"]["status"] == "failed"
+    # Every job of a sweep is checked before the first starts: a bad value in the last one stops it whole.
+    assert r["sweep_refused"] == {"raised": "ConfigError", "summaries": [],
+                                  "message": "job 1 of the sweep: batch_size=0: must be >= 1 (per process)"}  # fmt: skip
+    assert not (project / "refused").exists()
 
     assert r["plan"] == {"returned": None}
     assert r["after"] == {"hydra_initialized": False, "logging_handlers_back": True, "sys_path_back": True,

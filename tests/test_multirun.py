@@ -40,16 +40,19 @@ def test_a_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:
     assert (sweep / "report.csv").read_text().count("\n") == 5 and (sweep / "report_curves.png").stat().st_size
 
 
-def test_a_job_refused_before_its_ranks_has_a_failed_record_that_report_shows(tmp_path: Path) -> None:
+def test_a_bad_value_in_the_last_job_stops_the_sweep_before_the_first_starts(tmp_path: Path) -> None:
+    """Every job of a basic sweep is composed and checked (the typed config, the parts' dry build) before job 0
+    trains: one line, exit 2, and no sweep dir left behind."""
     sweep = tmp_path / "sweep"
     proc = run_ddpexp("-m", "model._target_=ddpexp.models.cnn,no_such_module.Net", "gpus=1", "max_steps=2",
                       "wandb.mode=disabled", f"hydra.sweep.dir={sweep}", cwd=tmp_path, check=False)  # fmt: skip
     why = "model._target_='no_such_module.Net': no such callable (a dotted path like mypkg.module.fn)"
-    assert proc.returncode == 1 and f"{sweep / '1'}: {why}" in proc.stderr
-    assert read_summary(sweep / "0")["status"] == "completed"
-    assert read_summary(sweep / "1") == {"status": "failed", "error": why, "refused": True}
-    report = run_ddpexp("report", str(sweep), cwd=tmp_path)
-    assert "2 job(s): 1 completed, 1 failed" in report.stdout and f"job 1 (failed): {why}" in report.stdout
+    assert (proc.returncode, proc.stderr.strip()) == (2, f"ddpexp: error: job 1 of the sweep: {why}"), proc.stderr
+    assert "Launching 2 jobs" not in proc.stdout and not sweep.exists()
+    proc = run_ddpexp("-m", "gpus=1", "optimizer.lr=1e-3,-1", f"hydra.sweep.dir={sweep}", cwd=tmp_path, check=False)
+    assert (proc.returncode, proc.stderr.strip()) == (2, "ddpexp: error: job 1 of the sweep: optimizer.lr=-1: must "
+                                                         "be a number >= 0"), proc.stderr  # fmt: skip
+    assert not sweep.exists()
 
 
 def test_a_killed_sweep_run_again_finishes_only_the_missing_work(tmp_path: Path) -> None:

@@ -230,6 +230,9 @@ WAYS: list[tuple[str, Callable[..., None], bool]] = [
     (r"python -m ddpexp model=resnet2$", prints_what_readme_shows(exit_code=2), False),
     (r"python -m ddpexp batch_size=0$", prints_what_readme_shows(exit_code=2), False),
     (r"python -m ddpexp \+optimzer\.lr=0\.1$", prints_what_readme_shows(exit_code=2), False),
+    (r"python -m ddpexp -m optimizer\.lr=1e-3,-1$", prints_what_readme_shows(exit_code=2), False),
+    (r"python -m ddpexp -m sweep\.parallel=2 gpus=1 optimizer\.lr=1e-3,1e-2 hydra\.sweep\.dir=multirun/parallel$",
+     succeeds("plan=true"), False),  # run for real, Ctrl-C and resume included: tests/test_parallel.py
     (r"python -m ddpexp epochs=2 objective=val/loss early_stop\.patience=3 early_stop\.min_delta=0\.001$",
      best_kept, False),
     (r"python -m ddpexp objective=val/loss \+data\.test_fraction=0\.1 hydra\.run\.dir=outputs/digits_test$",

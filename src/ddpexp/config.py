@@ -127,6 +127,19 @@ class DebugConfig:
 
 
 @dataclass
+class SweepConfig:
+    """How a `-m` sweep runs its jobs (one sweep's jobs; a single run ignores it)."""
+
+    parallel: int = 1  # jobs at once on this machine (spawn, torchrun), each on its own GPUs, or CPU cores without
+
+    def __post_init__(self) -> None:
+        check(
+            isinstance(self.parallel, int) and self.parallel >= 1,
+            f"sweep.parallel={self.parallel}: must be >= 1 (jobs of a sweep at once)",
+        )
+
+
+@dataclass
 class Config:
     launcher: Any = MISSING  # a LauncherConfig subclass, chosen by `launcher=`
     model: Any = MISSING  # {_target_: ..., **kwargs}; called with the data's facts it accepts (num_classes, ...)
@@ -138,6 +151,7 @@ class Config:
     ddp: DDPConfig = field(default_factory=DDPConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
     gpus: int | None = None  # processes per node; null: all visible GPUs, or 2 CPU processes without GPUs
     device: str = "auto"

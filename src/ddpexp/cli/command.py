@@ -22,6 +22,7 @@ class Command:
     job_dirs: list[str] = field(default_factory=list)  # every job dir of the command, in the order Hydra ran them
     locks: list[str] = field(default_factory=list)  # job dirs' locks held until the command ends (queued jobs)
     held: list[Any] = field(default_factory=list)  # kept alive for the command (launcher=env: rank 0's store)
+    pool: Any = None  # sweep.parallel: the jobs running at once in child processes (parent/parallel.py: Pool)
     planned: bool = False  # plan=true: jobs were shown, none started
     error: Exception | None = None  # what a single run raised (ddpexp.run), raised to the caller once Hydra is done
     keep_error: bool = False  # ddpexp.run: keep a single run's error for the caller instead of reporting it here
@@ -77,8 +78,8 @@ class Command:
 
     def wait_deferred(self) -> None:
         """After a multirun's submissions: wait for the scheduler's jobs."""
-        if self.deferred:
-            from ddpexp.parent.launch import wait_deferred
+        if self.deferred or self.pool is not None:
+            from ddpexp.parent.wait import wait_deferred
 
             self.failed.extend(wait_deferred(self))
 

@@ -63,6 +63,9 @@ def installed(cmd: Command, cli: bool) -> Iterator[None]:
 def _command_ended(cmd: Command) -> None:
     from ddpexp.job import release_lock
 
+    if cmd.pool is not None:  # sweep.parallel: jobs still running (a second Ctrl-C, an error) end with the command
+        cmd.pool.close()
+
     for lock in cmd.locks:
         release_lock(lock)
     cmd.locks.clear()
@@ -185,7 +188,8 @@ def _sweeper_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., 
     search whose trials depend on earlier results, and a sweeper `direction` against the objective's mode, are
     refused here, before the search begins (hydra/_internal/hydra.py Hydra.multirun instantiates the sweeper, with
     the composed config, before it calls its sweep), and so is a Hydra launcher plugin (hydra/launcher=joblib)."""
-    from ddpexp.parent.objective import check_sweeper_direction, needs_each_value
+    from ddpexp.parent.launch import every_job_checked_first
+    from ddpexp.parent.objective import check_sweeper_direction, refuse_for_search
     from ddpexp.parent.outside import refuse_sweep
     from ddpexp.parent.sweep import refuse_hydra_launcher
 
@@ -193,13 +197,12 @@ def _sweeper_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., 
         config = kwargs["config"]
         refuse_sweep()  # -m inside a world another launcher started
         refuse_hydra_launcher(config)  # the sweeper instantiates the launcher in its setup, after this
-        if config.get("plan") and needs_each_value(config.hydra):  # before the study starts and prints
-            raise CommandError(
-                "plan=true with a search that picks each trial from the results of the ones before (hparams_search):"
-                " a plan runs none, so it has no trials to show; plan one job with the parameters set instead"
-            )
+        refuse_for_search(config)  # plan=true, sweep.parallel: before the study starts and prints
         check_sweeper_direction(config)
         sweeper = original(self, **kwargs)
+        launcher = getattr(sweeper, "launcher", None)
+        if type(sweeper).__name__ == "BasicSweeper" and hasattr(launcher, "hydra_context"):
+            launcher.launch = every_job_checked_first(launcher, launcher.launch, _refused)
         sweep_dir = os.path.abspath(str(kwargs["config"].hydra.sweep.dir))
         sweep, path = sweeper.sweep, os.path.join(sweep_dir, "multirun.yaml")
 
@@ -223,6 +226,12 @@ def _sweeper_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., 
         return sweeper
 
     return _instantiate_sweeper
+
+
+def _refused(idx: int, error: Exception) -> BaseException:
+    from ddpexp.cli.errors import config_message, is_config_error
+
+    return CommandError(f"job {idx} of the sweep: {config_message(error)}") if is_config_error(error) else error
 
 
 def _first_existing(path: str) -> str:

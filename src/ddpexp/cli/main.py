@@ -26,6 +26,7 @@ def main() -> None:
         sys.exit(0)
     from ddpexp.cli import hydra_patches, project
     from ddpexp.cli.command import Command
+    from ddpexp.cli.errors import report
     from ddpexp.parent.outside import with_outside_launcher
     from ddpexp.parent.schema import register_configs
 
@@ -38,6 +39,7 @@ def main() -> None:
     cmd = Command(argv=sys.argv[1:])  # the command's state, for its whole lifetime
     with hydra_patches.installed(cmd, cli=True), project.on_path(conf):
         hydra.main(config_path=project.PACKAGE_CONF, config_name="config", version_base="1.3")(cmd.task)()
-        cmd.wait_deferred()  # a multirun that submitted jobs to a scheduler: wait for them now
+        # A multirun that submitted jobs to a scheduler, or runs them at once (sweep.parallel): wait for them now.
+        report(cmd.wait_deferred, cmd)
         if cmd.failed:
             sys.exit(f"ddpexp: {cmd.failed_jobs_message()}")

@@ -5,7 +5,11 @@ A launcher is a module with a `NameConfig` dataclass and four functions; the par
 (the ranks a resolved config asks for, or None: known only at start), then `plan(cfg, job)` for plan=true, else
 `launch(worker, cfg, job)`, which starts the ranks with PyTorch's env:// variables, each calling `worker(cfg, job)`,
 and returns a Handle that the parent waits on (submitit's `submit` returns a Job the same way). Optional:
-`job_dir(launcher_cfg, proposed)`, when the job dir is not this command's to choose (JobDir)."""
+`job_dir(launcher_cfg, proposed)`, when the job dir is not this command's to choose (JobDir); `SWEEP_PARALLEL`, a
+module constant: "local" (its ranks run on this machine, so a sweep's `sweep.parallel=N` runs N jobs at once, each
+in a child process of the command pinned to its own GPUs or CPU cores: ddpexp.parent.parallel) or "scheduler" (a
+sweep's jobs run at once already; `sweep.parallel` is ignored, with a warning). Without it, `sweep.parallel>1` is
+refused."""
 
 from __future__ import annotations
 

@@ -19,6 +19,8 @@ from ddpexp.config import LauncherConfig, check
 from ddpexp.exceptions import ConfigError, RankFailure
 from ddpexp.launchers.base import Handle, tail
 
+SWEEP_PARALLEL = "scheduler"  # each job is a Slurm job: a sweep's jobs run at once already, as Slurm places them
+
 
 @dataclass
 class SlurmConfig(LauncherConfig):

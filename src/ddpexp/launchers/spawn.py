@@ -21,6 +21,8 @@ from ddpexp.launchers.processes import (
 )
 from ddpexp.launchers.world import refuse_inside
 
+SWEEP_PARALLEL = "local"  # its ranks run on this machine: a sweep may run sweep.parallel jobs at once
+
 
 @dataclass
 class SpawnConfig(LauncherConfig):

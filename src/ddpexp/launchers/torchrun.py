@@ -16,6 +16,8 @@ from ddpexp.launchers.base import Handle, Started, check_resolves, local_ranks, 
 from ddpexp.launchers.processes import detach_from_terminal, die_with_parent, forward_signals, terminate
 from ddpexp.launchers.world import refuse_inside
 
+SWEEP_PARALLEL = "local"  # one node's ranks on this machine: a sweep may run sweep.parallel jobs at once
+
 
 @dataclass
 class TorchrunConfig(LauncherConfig):

@@ -1,33 +1,35 @@
 """The parent's side of one job: typed config, job dir, device checks, data preparation, then the launcher's
-handle, waited on (or, for a scheduler's jobs in a sweep, kept to wait on once every job is submitted)."""
+handle, waited on (parent/wait.py), or, for a scheduler's jobs in a sweep, kept to wait on once every job is
+submitted, or, with sweep.parallel, started in a child process (parent/parallel.py)."""
 
 from __future__ import annotations
 
-import glob
+import copy
 import importlib
 import logging
 import os
-import shlex
 import sys
 import time
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from ddpexp.config import Config
-from ddpexp.exceptions import ConfigError, Interrupted, RankFailure
-from ddpexp.job import Job, read_json, write_json
-from ddpexp.launchers.base import Handle, tail
-from ddpexp.parent import check
+from ddpexp.exceptions import ConfigError, RankFailure
+from ddpexp.job import Job
+from ddpexp.launchers.base import Handle
+from ddpexp.parent import check, parallel
 from ddpexp.parent.objective import needs_each_value
 from ddpexp.parent.plan import render as render_plan
 from ddpexp.parent.resume_decision import check_resume, config_sha256
 from ddpexp.parent.schema import FREE, closest_key, unknown_keys
+from ddpexp.parent.wait import first_failure, record_failure, wait
 from ddpexp.parts import data
 
 if TYPE_CHECKING:  # the command calls run(); the type only, no import circle
@@ -57,10 +59,17 @@ def run(dcfg: DictConfig, cmd: Command) -> float | None:
         return done
     data.prepare(cfg.data)
     check.components(cfg)
+    at_once = in_parallel(cfg, launcher)  # sweep.parallel=N: a child process of this command runs the job
+    if at_once:
+        parallel.check(cfg, launcher, job.launcher, config)  # type: ignore[arg-type]  # also before a basic sweep
+        parallel.make_room(cmd, cfg, job)
 
     from ddpexp.rank import worker  # torch and the training stack, only once the config is known to be good
 
     cmd.launched.add(job.dir)  # from here on, .hydra/ records this attempt
+    if at_once:
+        parallel.start(cmd, launch_function(cfg.launcher._target_), worker.main, cfg, job, start)
+        return None
     try:
         handle = launch_function(cfg.launcher._target_)(worker.main, cfg, job)
     except RankFailure as e:
@@ -119,68 +128,61 @@ def launch_function(target: str) -> Any:
     )
 
 
-def wait(job: Job, handle: Handle, start: float) -> float | None:
-    """Until the job's ranks ended: a failure (or a second Ctrl-C) is recorded in the job's summary.json, by the
-    command that reports the job (launcher=env: each rank is a command, rank 0's reports)."""
-    if not getattr(handle, "reports", True):
-        handle.wait()
-        print(f"ddpexp: this rank finished in {time.time() - start:.1f}s; rank 0's command reports the job")
-        return None
-    try:
-        handle.wait()
-    except RankFailure as e:
-        raise record_failure(job, first_failure(job) or e, time.time() - start) from None
-    except BaseException as e:
-        record_failure(job, e, time.time() - start)
-        raise
-    return finish(job, start)
-
-
-def wait_deferred(cmd: Command) -> list[str]:
-    """After a multirun's submissions: wait for each job; returns the failed ones as "job_dir: error"."""
-    failed, deferred = [], cmd.deferred
-    while deferred:
-        job, handle, start = deferred.pop(0)
-        try:
-            wait(job, handle, start)
-        except RankFailure as e:
-            failed.append(f"{job.dir}: {str(e).splitlines()[0]}")
-            print(f"ddpexp: error: job {job.dir}: {e}", file=sys.stderr)
-    return failed
-
-
-def finish(job: Job, start: float) -> float | None:
-    summary = read_json(job.summary_path)
-    if summary is None:  # multi-node: global rank 0, and with it the run record, is on another node
-        print(f"ddpexp: this node's ranks finished in {time.time() - start:.1f}s; rank 0 holds the run record")
-        return None
-    if summary.get("status") in ("interrupted", "requeued") or _signalled(summary):
-        raise Interrupted(interrupted_message(job, summary))
-    if summary.get("status") != "completed":
-        raise RankFailure(summary.get("error", "?").rsplit("(", 1)[-1].rstrip(")"), summary.get("error", "no summary"))
-    final = summary.get("final", {})
-    ordered = sorted(final.items(), key=lambda kv: kv[0] != "train/loss")  # train/loss, then the task's metrics
-    metrics = " ".join(f"{k}={v:.4f}" if isinstance(v, (int, float)) else f"{k}={v}" for k, v in ordered)
-    early = f", stopped early at step {summary.get('steps')}" if summary.get("stopped_early") else ""
-    print(f"ddpexp: {summary.get('status', 'finished')} in {time.time() - start:.1f}s{early}: {metrics} -> {job.dir}")
-    return final.get(yaml.safe_load(job.config_yaml).get("objective", "val/acc"))
-
-
-def _signalled(summary: dict[str, Any]) -> bool:
-    return summary.get("status") == "failed" and "SignalException" in str(summary.get("error", ""))
-
-
-def interrupted_message(job: Job, summary: dict[str, Any]) -> str:
-    """The line a stopped job ends with: where it stopped and the exact command that continues it."""
-    where = f"at step {summary['steps']}" if "steps" in summary else "before its first step"
-    ckpt = f"checkpoint {summary['checkpoint']}" if summary.get("checkpoint") else "no checkpoint written"
-    again = [a for a in job.command if not a.startswith(("hydra.run.dir=", "hydra.sweep.dir="))]
+def in_parallel(cfg: Config, launcher: ModuleType) -> bool:
+    """A job of a basic sweep with sweep.parallel > 1 on a launcher that runs its ranks here."""
     hc = HydraConfig.get()
-    where_dir = f"hydra.sweep.dir={hc.sweep.dir}" if hc.mode == RunMode.MULTIRUN else f"hydra.run.dir={job.dir}"
-    command = shlex.join(["python", "-m", "ddpexp", *again, where_dir])
-    if summary.get("started_by"):  # each rank is a command that another launcher started: it starts them again
-        command = f"the same launch ({summary['started_by']}), each rank's ddpexp given {shlex.quote(where_dir)}"
-    return f"interrupted by {summary.get('signal', 'a signal')} {where}, {ckpt}; resume with: {command}"
+    return (
+        cfg.sweep.parallel > 1
+        and hc.mode == RunMode.MULTIRUN
+        and getattr(launcher, "SWEEP_PARALLEL", None) == parallel.LOCAL
+        and not needs_each_value(hc)
+    )
+
+
+def check_job(dcfg: DictConfig) -> str | None:
+    """What `run` checks of a job before its dir is made (the launcher, the typed config, this machine's devices
+    for a launcher that runs ranks here, sweep.parallel, the parts' dry build): a basic sweep checks every job
+    this way before the first starts. Returns a warning line, if any."""
+    launcher = find_launcher(dcfg)
+    cfg = to_config(dcfg)
+    if getattr(launcher, "SWEEP_PARALLEL", None) == parallel.LOCAL:  # cheap here; a scheduler's asks the network
+        launcher.resolve(cfg)
+    config = OmegaConf.to_container(dcfg, resolve=True)
+    config.update(gpus=cfg.gpus, device=cfg.device)  # type: ignore[union-attr]
+    warning = parallel.check(cfg, launcher, HydraConfig.get().runtime.choices["launcher"], config)  # type: ignore[arg-type]
+    if not cfg.plan:
+        check.components(cfg)
+    return warning
+
+
+def every_job_checked_first(
+    launcher: Any, launch: Callable[..., Any], refused: Callable[[int, Exception], BaseException]
+) -> Callable[..., Any]:
+    """Hydra's BasicLauncher composes and runs one job after the other (basic_launcher.py BasicLauncher.launch,
+    L64-L82: load_sweep_config, then run_job), so a bad value in the last job would be found after the others
+    trained. Every job of the batch is composed and checked first, as `run` checks it (parent.launch.check_job):
+    `refused(job_num, error)` is raised for a bad one, before any job starts."""
+
+    def _checked_launch(job_overrides: Any, initial_job_idx: int) -> Any:
+        warnings = []
+        for idx, overrides in enumerate(job_overrides, initial_job_idx):
+            config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
+            with open_dict(config):
+                config.hydra.job.id = config.hydra.job.num = idx
+            HydraConfig.instance().set_config(config)
+            task_cfg = copy.deepcopy(config)  # what the task gets: run_job takes `hydra` out (core/utils.py L136)
+            with read_write(task_cfg), open_dict(task_cfg):
+                del task_cfg["hydra"]
+            try:
+                warning = check_job(task_cfg)
+            except Exception as e:
+                raise refused(idx, e) from None
+            if warning is not None and warning not in warnings:
+                warnings.append(warning)
+                print(f"ddpexp: warning: {warning}", file=sys.stderr, flush=True)
+        return launch(job_overrides, initial_job_idx)
+
+    return _checked_launch
 
 
 def to_config(dcfg: DictConfig) -> Config:
@@ -239,25 +241,3 @@ def swept_keys(sweep_dir: str) -> set[str]:
     except (FileNotFoundError, OmegaConfBaseException):
         return set()
     return {o.get_key_element() for o in OverridesParser.create().parse_overrides(list(task)) if o.is_sweep_override()}
-
-
-def first_failure(job: Job) -> RankFailure | None:
-    """The rank that failed first, from the error files ranks write (a launcher sees whichever it polls first)."""
-    records = [read_json(p) for p in glob.glob(os.path.join(job.dir, "logs", "rank*.error.json"))]
-    records = [r for r in records if r]
-    if not records:
-        return None
-    first = min(records, key=lambda r: r["time"])
-    return RankFailure(first["rank"], tail(first["traceback"]))
-
-
-def record_failure(job: Job, error: BaseException, wall_time_s: float) -> BaseException:
-    """The parent has the last word on a failed job: a rank killed before writing its summary leaves none."""
-    summary: dict[str, Any] = read_json(job.summary_path) or {"launcher": job.launcher}
-    first = str(error).splitlines()[0] if str(error) else type(error).__name__
-    summary.update(status="failed", error=first, wall_time_s=round(wall_time_s, 3))
-    summary.setdefault("config_sha256", job.config_sha256)
-    if isinstance(error, RankFailure):
-        summary["error_detail"] = error.detail
-    write_json(job.summary_path, summary)
-    return error

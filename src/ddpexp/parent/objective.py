@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ddpexp.exceptions import ConfigError
+from ddpexp.exceptions import CommandError, ConfigError
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 WORDS = {"min": "minimize", "max": "maximize"}
@@ -24,6 +24,22 @@ def needs_each_value(hydra_cfg: Any) -> bool:
     """Whether the sweeper reads each job's objective before it picks the next parameters (Optuna's does, the
     basic sweeper does not): a scheduler's job must then be waited for where it was submitted."""
     return str(hydra_cfg.sweeper.get("_target_", BASIC_SWEEPER)) != BASIC_SWEEPER
+
+
+def refuse_for_search(config: Any) -> None:
+    """What a search whose trials follow from the results before them cannot do: a plan, jobs at once."""
+    if not needs_each_value(config.hydra):
+        return
+    if config.get("plan"):
+        raise CommandError(
+            "plan=true with a search that picks each trial from the results of the ones before (hparams_search):"
+            " a plan runs none, so it has no trials to show; plan one job with the parameters set instead"
+        )
+    if (config.get("sweep") or {}).get("parallel", 1) != 1:
+        raise CommandError(
+            "sweep.parallel: a search that picks each trial from the results of the ones before (hparams_search)"
+            " runs one trial at a time; leave sweep.parallel=1"
+        )
 
 
 def check_sweeper_direction(config: Any) -> None:

@@ -8,12 +8,18 @@ import dataclasses
 import difflib
 from typing import Any
 
-from ddpexp.config import Config, DDPConfig, DebugConfig, EarlyStopConfig, WandbConfig
+from ddpexp.config import Config, DDPConfig, DebugConfig, EarlyStopConfig, SweepConfig, WandbConfig
 from ddpexp.launchers import launcher_schemas
 
 # Groups whose keys are their _target_'s arguments (checked against its signature by ddpexp.parent.check): `+` adds here.
 FREE = ("model", "data", "task", "optimizer", "scheduler")
-SECTIONS = {"wandb": WandbConfig, "ddp": DDPConfig, "debug": DebugConfig, "early_stop": EarlyStopConfig}
+SECTIONS = {
+    "wandb": WandbConfig,
+    "ddp": DDPConfig,
+    "debug": DebugConfig,
+    "early_stop": EarlyStopConfig,
+    "sweep": SweepConfig,
+}
 
 
 def register_configs() -> None:

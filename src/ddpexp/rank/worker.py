@@ -44,9 +44,11 @@ def main(cfg: Config, job: Job) -> str:
     tracker: NullTracker = NullTracker()
     summary: dict[str, Any] = {"status": "failed", "launcher": job.launcher, "world_size": world_size}
     start = time.time()
+    summary["started_at"] = round(start, 3)  # unix time: when this attempt's ranks began (a sweep's jobs overlap?)
     try:
         # Each rank hashes the config it received: a sweep's ranks must all train the parameters of their job.
-        hosts = distributed.all_gather((socket.gethostname(), hashlib.sha256(job.config_yaml.encode()).hexdigest()))
+        config_sha256 = hashlib.sha256(job.config_yaml.encode()).hexdigest()
+        hosts = distributed.all_gather((socket.gethostname(), config_sha256, _affinity()))
         resumed = resume.load(cfg, job)
         if rank == 0:  # resume=PATH starts a new record and W&B run; the job's own checkpoint continues its own
             own = resumed if resumed is not None and resumed.own else None
@@ -54,8 +56,9 @@ def main(cfg: Config, job: Job) -> str:
                 job, cfg.wandb, _config_dict(job), cfg.progress_bar,
                 resume_step=own.position.step if own else None, wandb_id=own.state.get("wandb_id") if own else None,
             )  # fmt: skip
-        summary.update(device=str(device), hostnames=sorted({h for h, _ in hosts}), **_environment())
-        summary["config_sha256_per_rank"] = [c for _, c in hosts]
+        summary.update(device=str(device), hostnames=sorted({h for h, _, _ in hosts}), **_environment())
+        summary["config_sha256_per_rank"] = [c for _, c, _ in hosts]
+        summary["cpu_affinity_per_rank"] = [cores for _, _, cores in hosts]  # the cores each rank may run on
         summary.update(restarts=job.restarts, **job.record)
         if resumed is not None:
             summary["resumed_from"] = {"path": resumed.path, "step": resumed.position.step}
@@ -85,7 +88,8 @@ def main(cfg: Config, job: Job) -> str:
         write_json(job.error_path(rank), {"rank": rank, "time": time.time(), "traceback": detail})
         raise
     finally:
-        summary["wall_time_s"] = round(time.time() - start, 3)
+        summary["ended_at"] = round(time.time(), 3)
+        summary["wall_time_s"] = round(summary["ended_at"] - start, 3)
         tracker.finish(summary)
         distributed.teardown()
         stop.restore()
@@ -97,6 +101,10 @@ def main(cfg: Config, job: Job) -> str:
             h.close()
         logging.getLogger("ddpexp").propagate = True  # the command's own lines, after an in-process rank
     return str(summary["status"])
+
+
+def _affinity() -> list[int] | None:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
 
 def device_for(cfg: Config, local_rank: int) -> torch.device:
