@@ -208,22 +208,25 @@ class RayJob:
                 self._let_the_others_end()
                 if self.restarts >= self.cfg.launcher.max_restarts or self.signals:
                     raise failure
-                print(f"ddpexp: {failure.args[0]}; restarting the gang from the last checkpoint "
+                print(f"ddpexp: {str(failure).splitlines()[0]}; restarting the gang from the last checkpoint "
                       f"({self.restarts + 1} of launcher.max_restarts={self.cfg.launcher.max_restarts})", flush=True)  # fmt: skip
                 return False
             if len(done) == len(self.runs):
                 return True
 
     def _failure(self, done: list[Any]) -> RankFailure | None:
+        """The first rank whose process died, else the first that raised: a death is the root cause of the
+        others' gloo errors."""
+        died, raised = [], []
         for ref in done:
             try:
                 self.ray.get(ref)
-            except self.ray.exceptions.RayTaskError as e:  # the rank raised: its traceback
-                return RankFailure(self.runs.index(ref), tail(str(e)))
             except self.ray.exceptions.RayActorError as e:  # its process died (a signal, out of memory)
                 why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                return RankFailure(self.runs.index(ref), f"its process died ({why})")
-        return None
+                died.append(RankFailure(self.runs.index(ref), f"its process died ({why})"))
+            except self.ray.exceptions.RayTaskError as e:  # the rank raised: its traceback
+                raised.append(RankFailure(self.runs.index(ref), tail(str(e))))
+        return (died + raised)[0] if died or raised else None
 
     def _let_the_others_end(self) -> None:
         """The other ranks get GRACE_S to fail on their own (gloo sees the peer go), as under spawn; then go."""
@@ -267,15 +270,19 @@ class RayJob:
             remove_placement_group(self.group)
 
     def _echo(self) -> None:
-        """Rank 0's new log lines (it writes them to the job dir, which this machine sees)."""
+        """Rank 0's new log records (it writes them to the job dir, which this machine sees); a traceback's lines
+        there are left out: the command shows the failing rank's once, as its error."""
         path = self.job.log_path(0)
         if not os.path.exists(path):
             return
-        with open(path) as f:
+        with open(path, "rb") as f:
             f.seek(self.offset)
-            sys.stdout.write(f.read())
-            sys.stdout.flush()
-            self.offset = f.tell()
+            text = f.read()
+        whole = text[: text.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+        self.offset += len(whole)
+        lines = whole.decode(errors="replace").splitlines(True)
+        sys.stdout.write("".join(line for line in lines if line.startswith("[")))
+        sys.stdout.flush()
 
 
 GRACE_S = 5.0
