@@ -8,7 +8,6 @@ import os
 import signal
 import socket
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -174,7 +173,10 @@ class RayJob:
 
         lc, actor = self.cfg.launcher, self.ray.remote(Rank)
         env = dict(lc.runtime_env)
-        env["env_vars"] = {**{k: v for k, v in os.environ.items() if k.startswith(PASSED_ON)}, **env.get("env_vars", {})}
+        env["env_vars"] = {
+            **{k: v for k, v in os.environ.items() if k.startswith(PASSED_ON)},
+            **env.get("env_vars", {}),
+        }
         self.actors = [
             actor.options(
                 num_cpus=lc.cpus_per_rank, num_gpus=1 if self.cfg.device == "cuda" else 0, runtime_env=env,
@@ -185,7 +187,9 @@ class RayJob:
         self.places = [a.place.remote() for a in self.actors]
         master = self.actors[0].host_store.remote()
         job = replace(self.job, restarts=restarts, record={"ray": {"placement": lc.placement, "restarts": restarts}})
-        self.runs = [a.run.remote(self.worker, self.cfg, job, r, master, *self.places) for r, a in enumerate(self.actors)]
+        self.runs = [
+            a.run.remote(self.worker, self.cfg, job, r, master, *self.places) for r, a in enumerate(self.actors)
+        ]
         self.restarts, self.signals = restarts, []
 
     def wait(self) -> None:
@@ -205,7 +209,7 @@ class RayJob:
             self._hand_on_signals()
             failure = self._failure(done)
             if failure is not None:
-                self._let_the_others_end()
+                failure = self._let_the_others_end() or failure
                 if self.restarts >= self.cfg.launcher.max_restarts or self.signals:
                     raise failure
                 print(f"ddpexp: {str(failure).splitlines()[0]}; restarting the gang from the last checkpoint "
@@ -228,10 +232,13 @@ class RayJob:
                 raised.append(RankFailure(self.runs.index(ref), tail(str(e))))
         return (died + raised)[0] if died or raised else None
 
-    def _let_the_others_end(self) -> None:
-        """The other ranks get GRACE_S to fail on their own (gloo sees the peer go), as under spawn; then go."""
-        self.ray.wait(self.runs, num_returns=len(self.runs), timeout=GRACE_S)
+    def _let_the_others_end(self) -> RankFailure | None:
+        """The other ranks get GRACE_S to fail on their own (gloo sees the peer go), as under spawn; then go.
+        Returns the root cause among all that ended (a death seen after its peers' errors)."""
+        done, _ = self.ray.wait(self.runs, num_returns=len(self.runs), timeout=GRACE_S)
+        failure = self._failure(done)
         self._stop(keep_group=True)
+        return failure
 
     def _restart(self) -> None:
         for rank in range(self.world):  # the earliest error file names the root cause: only this attempt's count
