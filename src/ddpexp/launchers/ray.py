@@ -186,7 +186,11 @@ class RayJob:
         ]  # fmt: skip
         self.places = [a.place.remote() for a in self.actors]
         master = self.actors[0].host_store.remote()
-        job = replace(self.job, restarts=restarts, record={"ray": {"placement": lc.placement, "restarts": restarts}})
+        job = replace(
+            self.job,
+            restarts=restarts,
+            record={**self.job.record, "ray": {"placement": lc.placement, "restarts": restarts}},
+        )
         self.runs = [
             a.run.remote(self.worker, self.cfg, job, r, master, *self.places) for r, a in enumerate(self.actors)
         ]
@@ -264,7 +268,7 @@ class RayJob:
             .remote(pids, signum)
             for node, pids in by_node.items()
         ]
-        self.ray.get(sent)
+        self.ray.get(sent, timeout=60)
         self.signals.append(None)  # handed on
 
     def _stop(self, keep_group: bool = False) -> None:
