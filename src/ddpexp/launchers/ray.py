@@ -160,7 +160,7 @@ class RayJob:
         from ray.util.placement_group import placement_group
 
         self.ray, self.worker, self.cfg, self.job = _ray(), worker, cfg, job
-        lc, self.actors = cfg.launcher, []
+        lc, self.actors, self.signals = cfg.launcher, [], []  # signals: received, then None once handed on
         self.world = cfg.gpus * lc.nodes
         self.group = placement_group([bundle(cfg)] * self.world, strategy=lc.placement)
         log = job.log_path(0)
@@ -194,7 +194,7 @@ class RayJob:
         self.runs = [
             a.run.remote(self.worker, self.cfg, job, r, master, *self.places) for r, a in enumerate(self.actors)
         ]
-        self.restarts, self.signals = restarts, []
+        self.restarts = restarts
 
     def wait(self) -> None:
         try:
