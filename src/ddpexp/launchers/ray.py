@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ddpexp.config import LauncherConfig, check
-from ddpexp.exceptions import ConfigError, RankFailure
+from ddpexp.exceptions import ConfigError, Interrupted, RankFailure
 from ddpexp.launchers.base import Handle, resolve_local, tail, this_command
 from ddpexp.launchers.processes import STOP_SIGNALS, forward_signals, terminate
 from ddpexp.launchers.world import refuse_inside
@@ -257,8 +257,10 @@ class RayJob:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         ready, _ = self.ray.wait(self.places, num_returns=len(self.places), timeout=0)
-        if len(ready) < len(self.places):  # not placed yet: the signal waits (a second one exits at once)
-            return
+        if len(ready) < len(self.places):  # not every rank placed: none has started, nothing to checkpoint
+            name = signal.Signals(self.signals[0]).name
+            raise Interrupted(f"interrupted by {name} before every rank was placed (the cluster's resources were "
+                              "not free): nothing ran; the same command starts the job again")  # fmt: skip
         signum, by_node = self.signals[0], {}
         for place in self.ray.get(self.places):
             by_node.setdefault(place["node"], []).append(place["pid"])
