@@ -14,6 +14,7 @@ from typing import Any
 
 from ddpexp.config import LauncherConfig, check
 from ddpexp.exceptions import ConfigError, Interrupted, RankFailure
+from ddpexp.job import read_json
 from ddpexp.launchers.base import Handle, resolve_local, tail, this_command
 from ddpexp.launchers.processes import STOP_SIGNALS, forward_signals, terminate
 from ddpexp.launchers.world import refuse_inside
@@ -213,7 +214,7 @@ class RayJob:
             self._hand_on_signals()
             failure = self._failure(done)
             if failure is not None:
-                failure = self._let_the_others_end() or failure
+                failure = self._let_the_others_end(done) or failure
                 if self.restarts >= self.cfg.launcher.max_restarts or self.signals:
                     raise failure
                 print(f"ddpexp: {str(failure).splitlines()[0]}; restarting the gang from the last checkpoint "
@@ -223,8 +224,8 @@ class RayJob:
                 return True
 
     def _failure(self, done: list[Any]) -> RankFailure | None:
-        """The first rank whose process died, else the first that raised: a death is the root cause of the
-        others' gloo errors."""
+        """The first rank whose process died, else the one that raised first (its error file's time): a death or
+        the first error is the root cause of the others' gloo errors."""
         died, raised = [], []
         for ref in done:
             try:
@@ -234,11 +235,15 @@ class RayJob:
                 died.append(RankFailure(self.runs.index(ref), f"its process died ({why})"))
             except self.ray.exceptions.RayTaskError as e:  # the rank raised: its traceback
                 raised.append(RankFailure(self.runs.index(ref), tail(str(e))))
+        raised.sort(key=lambda f: (read_json(self.job.error_path(f.rank)) or {}).get("time", float("inf")))
         return (died + raised)[0] if died or raised else None
 
-    def _let_the_others_end(self) -> RankFailure | None:
-        """The other ranks get GRACE_S to fail on their own (gloo sees the peer go), as under spawn; then go.
-        Returns the root cause among all that ended (a death seen after its peers' errors)."""
+    def _let_the_others_end(self, ended: list[Any]) -> RankFailure | None:
+        """The other ranks get GRACE_S to fail on their own, as under spawn; then go. The ended ranks' actors go
+        first: a rank that raised keeps its process, whose open sockets would hide its going from gloo. Returns
+        the root cause among all that ended (a death seen after its peers' errors)."""
+        for ref in ended:
+            self.ray.kill(self.actors[self.runs.index(ref)], no_restart=True)
         done, _ = self.ray.wait(self.runs, num_returns=len(self.runs), timeout=GRACE_S)
         failure = self._failure(done)
         self._stop(keep_group=True)
