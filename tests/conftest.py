@@ -288,7 +288,7 @@ def ray_head() -> Iterator[dict[str, str]]:
             for pid in ours:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
-            deadline = time.time() + 10
+            deadline = time.time() + 5
             while time.time() < deadline and any(alive(p) for p in ours):
                 time.sleep(0.2)
         shutil.rmtree(temp, ignore_errors=True)
