@@ -99,7 +99,10 @@ def connect(ray: Any, lc: Any) -> None:
             raise ConfigError(f"launcher.address={address!r}: no Ray cluster answers there ({e}); start one "
                               "(`ray start --head`) or leave it null for a local Ray runtime") from None  # fmt: skip
     # Rank 0's lines come from its log file (Handle.wait), without Ray's per-actor prefixes.
-    ray.init(address=address or "local", log_to_driver=False, logging_level="WARNING", include_dashboard=False)
+    try:
+        ray.init(address=address or "local", log_to_driver=False, logging_level="WARNING", include_dashboard=False)
+    except ConnectionError as e:  # address=auto with no cluster on this machine, a port that is not Ray's
+        raise ConfigError(f"launcher.address={address!r}: cannot connect to Ray there ({e})") from None
 
 
 def bundle(cfg: Any) -> dict[str, float]:
