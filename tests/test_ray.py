@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import COMMON, assert_same_run, check_run_record, read_summary, run_ddpexp, start, wait_for_step
+from conftest import (
+    COMMON,
+    assert_same_run,
+    check_run_record,
+    ddpexp_env,
+    read_summary,
+    run_ddpexp,
+    start,
+    wait_for_step,
+)
 from wandb_offline import find_offline_runs, read_offline_run
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -91,3 +100,13 @@ def test_refusals_are_one_line_and_start_nothing(tmp_path: Path, ray_head: dict[
     plan = run_ddpexp("launcher=ray", *TINY[:-1], "plan=true", cwd=tmp_path, env=ray_head)  # device=auto: the head's
     assert "rank 1: device=cpu RANK=1" in plan.stdout and "rank 2:" not in plan.stdout
     assert "placement group of 2 x {'CPU': 1.0} (PACK)" in plan.stdout
+
+
+def test_plan_without_an_address_starts_no_runtime(tmp_path: Path) -> None:
+    pytest.importorskip("ray", reason="Ray is not installed here: pip install -e '.[ray]'")
+    env = {k: v for k, v in ddpexp_env().items() if k != "RAY_ADDRESS"}
+    plan = run_ddpexp(*RAY, *TINY, "launcher.nodes=2", "launcher.placement=SPREAD", "plan=true", "hydra.run.dir=job",
+                      cwd=tmp_path, env=env)  # fmt: skip
+    assert "Ray (a local runtime of this command): placement group of 4 x {'CPU': 1.0} (SPREAD)" in plan.stdout
+    assert "rank 3: device=cpu RANK=3" in plan.stdout and "WORLD_SIZE=4" in plan.stdout
+    assert not (tmp_path / "job").exists()

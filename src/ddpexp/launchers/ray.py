@@ -84,7 +84,7 @@ def resolve(cfg: Any) -> None:
 
 
 def where(lc: Any) -> str:
-    return f"at {lc.cluster()}" if lc.cluster() else "started here"
+    return f"at {lc.cluster()}" if lc.cluster() else "(a local runtime of this command)"
 
 
 def connect(ray: Any, lc: Any) -> None:
