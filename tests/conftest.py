@@ -239,3 +239,62 @@ def slurm() -> Iterator[dict[str, str]]:
     finally:
         subprocess.run(["bash", str(CLUSTER), "stop"], env=env, timeout=120, capture_output=True)
         shutil.rmtree(state, ignore_errors=True)
+
+
+def descendants(pids: set[int]) -> set[int]:
+    found, todo = set(pids), list(pids)
+    while todo:
+        for kid in children_of(todo.pop()):
+            if kid not in found:
+                found.add(kid)
+                todo.append(kid)
+    return found
+
+
+def in_group(pgid: int) -> set[int]:
+    pids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                pids.add(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
+
+
+@pytest.fixture(scope="session")
+def ray_head() -> Iterator[dict[str, str]]:
+    """A real Ray head (2 CPUs, on loopback) for this session; the env that points launcher=ray at it.
+
+    Stopped by its own processes (the group `ray start` made, and their children: the actors' workers, which
+    leave that group), never by `ray stop`, which would stop every Ray runtime of this machine's user."""
+    import contextlib
+    import shutil
+    import signal
+    from importlib.util import find_spec
+
+    if find_spec("ray") is None:
+        pytest.skip("Ray is not installed here: pip install -e '.[ray]'")
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    port = free_port_block(1)
+    env = {**ddpexp_env(), "RAY_AUTH_MODE": "disabled"}
+    command = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--num-cpus=2", "--include-dashboard=false",
+               "--disable-usage-stats", f"--temp-dir={temp}", f"--port={port}", "--node-ip-address=127.0.0.1"]  # fmt: skip
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ray start failed:\n{out}")
+        yield {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    finally:
+        proc.kill()
+        ours = descendants(in_group(proc.pid))
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in ours:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.time() + 5
+            while time.time() < deadline and any(alive(p) for p in ours):
+                time.sleep(0.2)
+        shutil.rmtree(temp, ignore_errors=True)

@@ -158,7 +158,7 @@ BAD_INPUT = [
     (["--shell-completion"], "--shell-completion needs what to do: ddpexp -sc install=bash"),
     (
         ["launcher._target_=ddpexp.launchers.nope.launch"],
-        "launcher._target_='ddpexp.launchers.nope.launch': cannot import it (ModuleNotFoundError: No module named 'ddpexp.launchers.nope'); pick a launcher with launcher=NAME (env, slurm, spawn, torchrun)",
+        "launcher._target_='ddpexp.launchers.nope.launch': cannot import it (ModuleNotFoundError: No module named 'ddpexp.launchers.nope'); pick a launcher with launcher=NAME (env, ray, slurm, spawn, torchrun)",
     ),
     (["hparams_search=digits_optuna", "plan=true"], "plan=true with a search that picks each trial from the results"),
     (["epochs=abc"], "epochs=abc. Value 'abc' of type 'str' could not be converted to Integer"),
@@ -222,7 +222,7 @@ def test_help_and_cfg_do_not_import_torch(tmp_path: Path, flag: str) -> None:
     assert ("batch_size: 64" in proc.stdout) if flag == "--cfg=job" else ("== Config ==" in proc.stdout)
     if flag == "--help":  # ddpexp's own words, and the options one can pick (not the base_ schemas behind them)
         assert proc.stdout.startswith("ddpexp: PyTorch DistributedDataParallel experiments, configured with Hydra.")
-        assert "launcher: env, slurm, spawn, torchrun\n" in proc.stdout and "base_" not in proc.stdout
+        assert "launcher: env, ray, slurm, spawn, torchrun\n" in proc.stdout and "base_" not in proc.stdout
         assert "is powered by Hydra" not in proc.stdout and "ddpexp -sc install=bash" in proc.stdout
 
 

@@ -40,6 +40,9 @@ def contract_for(name: str, module: str) -> type:
         attrs["launcher_env"] = pytest.fixture(slurm_env)
         attrs["overrides"] = ("device=cpu", "launcher.poll_interval_s=0.5")
         attrs["pytestmark"] = [pytest.mark.slurm, pytest.mark.slow]
+    elif name == "ray":  # on the session's Ray head (RAY_ADDRESS), which the contract's runs share
+        attrs["launcher_env"] = pytest.fixture(lambda self, ray_head: ray_head)
+        attrs["pytestmark"] = [pytest.mark.ray, pytest.mark.slow]
     else:
         attrs["launcher_env"] = pytest.fixture(lambda self: ddpexp_env())
         attrs["pytestmark"] = [pytest.mark.slow]
@@ -56,7 +59,7 @@ for _name, _module in launcher_modules().items():
 
 
 def test_every_launcher_module_is_under_contract() -> None:
-    assert {"spawn", "torchrun", "slurm"} <= set(launcher_modules())
+    assert {"spawn", "torchrun", "slurm", "ray"} <= set(launcher_modules())
     assert all(f"TestContract{n.title()}" in globals() for n in launcher_modules())
 
 

@@ -1,4 +1,4 @@
-"""Launchers: how a job's ranks start. One module each (spawn, torchrun, slurm here; a user project's or an installed
+"""Launchers: how a job's ranks start. One module each (spawn, torchrun, slurm, env, ray here; a user project's or an installed
 package's too), keeping the contract in launchers/base.py; the parent's process helpers in launchers/processes.py.
 
 `launcher=NAME` is conf/launcher/NAME.yaml, whose `_target_` names the module's `launch`, and the module's

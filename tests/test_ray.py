@@ -1,0 +1,112 @@
+"""launcher=ray against a real Ray head (the session's `ray_head`, 2 CPUs): few runs, each checking several things."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from conftest import (
+    COMMON,
+    assert_same_run,
+    check_run_record,
+    ddpexp_env,
+    read_summary,
+    run_ddpexp,
+    start,
+    wait_for_step,
+)
+from wandb_offline import find_offline_runs, read_offline_run
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+RAY = ["launcher=ray", "device=cpu"]
+TINY = ["data=digits", "epochs=1", "max_steps=4", "log_every_n_steps=2", "wandb.mode=disabled", "gpus=2"]
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_rank_restarts_the_gang_and_the_run_is_bit_equal_to_spawn(
+    tmp_path: Path, ray_head: dict[str, str], reference: Path
+) -> None:
+    """Rank 1's process SIGKILLed after step 7: the gang restarts once from step 5's checkpoint."""
+    proc = run_ddpexp(*RAY, *COMMON, "launcher.max_restarts=1", "debug.kill_at_step=7", "debug.fail_rank=1",
+                      "debug.check_replicas=true", "hydra.run.dir=job", cwd=tmp_path, env=ray_head, timeout=240)  # fmt: skip
+    job = tmp_path / "job"
+    summary = check_run_record(job, "ray", 2)
+    assert summary["restarts"] == 1 and summary["ray"] == {"placement": "PACK", "restarts": 1}
+    assert summary["resumed_from"]["step"] == 5
+    assert "ddpexp: rank 1 failed: its process died" in proc.stdout and "restarting the gang" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr  # rank 0's gloo error, an echo, is not shown
+    assert_same_run(job, reference)
+    runs = [read_offline_run(r) for r in find_offline_runs(job / "wandb")]
+    assert runs and {r["id"] for r in runs} == {summary["wandb"]["id"]}  # the restart continues the same W&B run
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_checkpoints_exits_130_and_the_rerun_resumes_bit_equal(
+    tmp_path: Path, ray_head: dict[str, str], reference: Path
+) -> None:
+    job = tmp_path / "job"
+    args = [*RAY, *COMMON, f"hydra.run.dir={job}"]
+    proc = start([*args, "debug.step_delay_s=0.3"], tmp_path, ray_head)
+    try:
+        wait_for_step(job, 4, proc, timeout=120)
+        os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C: the command's group (the actors are not in it)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    summary = read_summary(job)
+    assert proc.returncode == 130 and summary["status"] == "interrupted", out + err
+    assert f"interrupted by SIGINT at step {summary['steps']}" in err and "resume with: python -m ddpexp" in err
+    assert (job / "checkpoints" / "latest").read_text() == f"step-{summary['steps']:08d}.pt"
+    resumed = run_ddpexp(*args, cwd=tmp_path, env=ray_head, timeout=240)
+    assert f"resumed from {job}/checkpoints/step-{summary['steps']:08d}.pt" in resumed.stdout
+    assert read_summary(job)["status"] == "completed"
+    assert_same_run(job, reference)
+
+
+@pytest.mark.timeout(300)
+def test_a_sweep_submits_every_job_before_waiting(tmp_path: Path, ray_head: dict[str, str]) -> None:
+    """2 jobs x 2 ranks on a 2-CPU head: the second job's placement group waits for the first's CPUs."""
+    sweep = tmp_path / "sweep"
+    proc = run_ddpexp("-m", *RAY, *TINY, "seed=1,2", f"hydra.sweep.dir={sweep}", cwd=tmp_path, env=ray_head,
+                      timeout=240)  # fmt: skip
+    lines = proc.stdout.splitlines()
+    submitted = [i for i, line in enumerate(lines) if line.startswith("ddpexp: submitted 2 rank(s) to Ray")]
+    first_done = next(i for i, line in enumerate(lines) if line.startswith("ddpexp: completed"))
+    assert len(submitted) == 2 and max(submitted) < first_done, proc.stdout
+    for n in range(2):
+        summary = read_summary(sweep / str(n))
+        assert (summary["status"], summary["launcher"], summary["world_size"]) == ("completed", "ray", 2)
+
+
+@pytest.mark.timeout(120)
+def test_refusals_are_one_line_and_start_nothing(tmp_path: Path, ray_head: dict[str, str]) -> None:
+    for args, message in [
+        (["launcher.address=127.0.0.1:1"], r"launcher.address='127.0.0.1:1': no Ray cluster answers there \("),
+        (["gpus=64"], r"gpus=64 x launcher.nodes=1: 64 ranks of \{'CPU': 1.0\} each, but the Ray cluster at "
+                      r"127.0.0.1:\d+ can place at most 2 \(PACK over 1 node\(s\)\); ask for fewer"),
+        (["launcher.placement=STRICT_SPREAD"], r"gpus=2 x launcher.nodes=1: 2 ranks .* can place at most 1 "
+                                               r"\(STRICT_SPREAD over 1 node\(s\)\)"),
+        (["device=cuda"], r"device=cuda: the Ray cluster at 127.0.0.1:\d+ has no GPUs; use device=cpu"),
+        (["launcher.placement=PAKC"], r"launcher.placement='PAKC': must be one of"),
+    ]:  # fmt: skip
+        proc = run_ddpexp(*RAY, *TINY, *args, "hydra.run.dir=job", cwd=tmp_path, env=ray_head, check=False, timeout=60)
+        assert proc.returncode == 2 and re.fullmatch(f"ddpexp: error: {message}.*\n", proc.stderr), proc.stderr
+        assert not (tmp_path / "job").exists()
+    plan = run_ddpexp("launcher=ray", *TINY[:-1], "plan=true", cwd=tmp_path, env=ray_head)  # device=auto: the head's
+    assert "rank 1: device=cpu RANK=1" in plan.stdout and "rank 2:" not in plan.stdout
+    assert "placement group of 2 x {'CPU': 1.0} (PACK)" in plan.stdout
+
+
+def test_plan_without_an_address_starts_no_runtime(tmp_path: Path) -> None:
+    pytest.importorskip("ray", reason="Ray is not installed here: pip install -e '.[ray]'")
+    env = {k: v for k, v in ddpexp_env().items() if k != "RAY_ADDRESS"}
+    plan = run_ddpexp(*RAY, *TINY, "launcher.nodes=2", "launcher.placement=SPREAD", "plan=true", "hydra.run.dir=job",
+                      cwd=tmp_path, env=env)  # fmt: skip
+    assert "Ray (a local runtime of this command): placement group of 4 x {'CPU': 1.0} (SPREAD)" in plan.stdout
+    assert "rank 3: device=cpu RANK=3" in plan.stdout and "WORLD_SIZE=4" in plan.stdout
+    assert not (tmp_path / "job").exists()
