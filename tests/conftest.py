@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,51 @@ def wait_for_step(job: Path, step: int, proc: subprocess.Popen[str], timeout: fl
             return
         time.sleep(0.2)
     raise AssertionError(f"never reached step {step}: {proc.communicate(timeout=30)}")
+
+
+# The suite runs on 2 xdist workers (pyproject's addopts): most of its time is spent waiting on processes that
+# start, rendezvous, time out or get signalled. A test file runs whole on one worker (its module fixtures once);
+# the files that use the session's Slurm cluster or Ray head run on one worker together, which starts each once.
+CLUSTER_FILES = frozenset(
+    {"test_env_launcher.py", "test_launchers.py", "test_ray.py", "test_readme.py", "test_slurm.py", "test_sweeps.py"}
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return "cluster" if Path(file).name in CLUSTER_FILES else file
+
+    return ByFile(config, log)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:  # a second worker must never start a second cluster
+        uses = {"slurm", "ray_head"} & set(getattr(item, "fixturenames", ()))
+        if uses and item.path.name not in CLUSTER_FILES:
+            raise pytest.UsageError(f"{item.nodeid} uses {sorted(uses)}: add {item.path.name} to CLUSTER_FILES")
+
+
+def until(condition: Callable[[], bool], proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    """Poll `condition` while `proc` runs, for at most `timeout` s (the asserts after say what did not happen)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and not condition():
+        time.sleep(0.1)
+
+
+def ctrl_c(proc: subprocess.Popen[str], ready: Callable[[], None], wait: float = 120) -> tuple[str, str]:
+    """The terminal's Ctrl-C to a command `start` began: SIGINT to its process group once `ready()` returns; what
+    the command printed. The command is killed if anything here fails."""
+    try:
+        ready()
+        os.killpg(proc.pid, signal.SIGINT)
+        return proc.communicate(timeout=wait)
+    finally:
+        proc.kill()
 
 
 # Small, quick runs on the real digits: 2 epochs of 12 steps at batch 64 per rank.

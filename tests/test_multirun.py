@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ddpexp_env, read_summary, run_ddpexp
+from conftest import ctrl_c, ddpexp_env, read_summary, run_ddpexp, until
 
 pytestmark = pytest.mark.slow
 
@@ -90,15 +90,8 @@ def test_ctrl_c_stops_the_whole_sweep_with_the_command_that_resumes_it(tmp_path:
          f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=ddpexp_env(), text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
-    try:
-        metrics = sweep / "0" / "metrics.jsonl"
-        deadline = time.time() + 120
-        while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
-            time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
+    metrics = sweep / "0" / "metrics.jsonl"
+    _, err = ctrl_c(proc, lambda: until(lambda: metrics.exists() and bool(metrics.read_text().strip()), proc), wait=60)
     assert proc.returncode == 130, err
     assert read_summary(sweep / "0")["status"] == "interrupted" and not (sweep / "1").exists()
     assert (

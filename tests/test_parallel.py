@@ -3,16 +3,13 @@ running job at a checkpoint, and the line it prints resumes them all; what canno
 
 from __future__ import annotations
 
-import os
 import shlex
-import signal
-import time
 import types
 from pathlib import Path
 
 import pytest
 
-from conftest import make_config, read_metrics, read_summary, run_ddpexp, start
+from conftest import ctrl_c, make_config, read_metrics, read_summary, run_ddpexp, start, until
 from ddpexp.exceptions import ConfigError
 from ddpexp.launchers import slurm, spawn, torchrun
 from ddpexp.parent import parallel
@@ -29,16 +26,9 @@ def test_two_jobs_at_once_on_their_own_cores_stop_on_ctrl_c_and_resume_together(
         pytest.skip("needs 2 CPU cores")
     sweep = tmp_path / "sweep"
     proc = start([*TWO, "debug.step_delay_s=0.3", f"hydra.sweep.dir={sweep}"], tmp_path)
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and proc.poll() is None:
-            if all((sweep / str(i) / "metrics.jsonl").exists() and read_metrics(sweep / str(i)) for i in (0, 1)):
-                break  # both jobs are training at once
-            time.sleep(0.1)
-        os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=90)
-    finally:
-        proc.kill()
+    training = [sweep / str(i) / "metrics.jsonl" for i in (0, 1)]
+    both = lambda: all(m.exists() and read_metrics(m.parent) for m in training)  # noqa: E731  (at once)
+    _, err = ctrl_c(proc, lambda: until(both, proc), wait=90)
     assert proc.returncode == 130, err
     stopped = [read_summary(sweep / str(i)) for i in (0, 1)]
     assert [s["status"] for s in stopped] == ["interrupted", "interrupted"], err

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ from conftest import (
     COMMON,
     assert_same_run,
     check_run_record,
+    ctrl_c,
     ddpexp_env,
     read_summary,
     run_ddpexp,
@@ -52,12 +51,9 @@ def test_ctrl_c_checkpoints_exits_130_and_the_rerun_resumes_bit_equal(
     job = tmp_path / "job"
     args = [*RAY, *COMMON, f"hydra.run.dir={job}"]
     proc = start([*args, "debug.step_delay_s=0.3"], tmp_path, ray_head)
-    try:
-        wait_for_step(job, 4, proc, timeout=120)
-        os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C: the command's group (the actors are not in it)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    out, err = ctrl_c(
+        proc, lambda: wait_for_step(job, 4, proc, timeout=120)
+    )  # the command's group (the actors are not in it)
     summary = read_summary(job)
     assert proc.returncode == 130 and summary["status"] == "interrupted", out + err
     assert f"interrupted by SIGINT at step {summary['steps']}" in err and "resume with: python -m ddpexp" in err

@@ -160,19 +160,11 @@ def test_usr2_checkpoints_requeues_once_and_the_job_resumes_bit_equal(
 
 
 def test_ctrl_c_on_the_waiting_command_stops_the_job_at_a_checkpoint(tmp_path: Path, slurm: dict[str, str]) -> None:
-    import os
-    import signal
-
-    from conftest import COMMON, start, wait_for_step
+    from conftest import COMMON, ctrl_c, start, wait_for_step
 
     job = tmp_path / "job"
     proc = start([*SLURM, *COMMON, "debug.step_delay_s=0.3", f"hydra.run.dir={job}"], tmp_path, slurm)
-    try:
-        wait_for_step(job, 4, proc, timeout=120)
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
+    out, err = ctrl_c(proc, lambda: wait_for_step(job, 4, proc, timeout=120))
     summary = read_summary(job)
     assert proc.returncode == 130 and summary["status"] == "interrupted", out + err
     assert f"interrupted by SIGTERM at step {summary['steps']}" in err and "resume with: python -m ddpexp" in err
