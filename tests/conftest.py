@@ -108,6 +108,12 @@ def check_wandb_matches_record(job: Path) -> dict:
     return run
 
 
+def mtimes(*dirs: Path) -> dict[Path, int]:
+    """Every file and link under `dirs` with its own mtime, not a link's target's: W&B links a run's
+    logs/debug-core.log to a log in ~/.cache/wandb that every W&B service started in the same second writes to."""
+    return {p: p.lstat().st_mtime_ns for d in dirs for p in d.rglob("*") if p.is_symlink() or not p.is_dir()}
+
+
 def ckpt_config(job: Path) -> str:
     import torch
 

@@ -22,6 +22,7 @@ from conftest import (
     assert_same_run,
     children_of,
     load_weights,
+    mtimes,
     read_metrics,
     read_summary,
     run_ddpexp,
@@ -43,11 +44,12 @@ def test_resume_mid_epoch_continues_the_same_run_and_refuses_a_changed_config(tm
     assert max(m["step"] for m in read_metrics(job)) == 16  # logged past the checkpoint before failing
 
     # A result-changing key differs: one line naming it, exit 2, and nothing touched.
-    before = {p: p.stat().st_mtime_ns for p in job.rglob("*") if p.is_file()}
+    before = mtimes(job)
     drift = run_ddpexp(*args, "batch_size=32", "optimizer.lr=0.01", cwd=tmp_path, check=False)
     assert drift.returncode == 2 and drift.stderr.count("\n") == 1, drift.stderr
     assert "different batch_size, optimizer.lr;" in drift.stderr and "resume_allow_config_change=true" in drift.stderr
-    assert {p: p.stat().st_mtime_ns for p in job.rglob("*") if p.is_file() and ".hydra" not in p.parts} == {
+    after = mtimes(job)
+    assert {p: t for p, t in after.items() if ".hydra" not in p.parts} == {
         p: t for p, t in before.items() if ".hydra" not in p.parts
     }
 
@@ -225,7 +227,7 @@ def test_uneven_per_rank_batches_end_together(tmp_path: Path) -> None:
 def test_resume_from_another_jobs_checkpoint_starts_a_new_record(tmp_path: Path, reference: Path) -> None:
     """resume=PATH: the parent resolves PATH (a job dir: its newest checkpoint) and the ranks start from that state,
     with a record and W&B run of their own; the other job's files stay untouched."""
-    before = {p: p.stat().st_mtime_ns for p in reference.rglob("*") if p.is_file()}
+    before = mtimes(reference)
     job = tmp_path / "longer"
     proc = run_ddpexp(
         "launcher=spawn", *COMMON, "epochs=3", f"resume={reference}", f"hydra.run.dir={job}", cwd=tmp_path
@@ -237,4 +239,4 @@ def test_resume_from_another_jobs_checkpoint_starts_a_new_record(tmp_path: Path,
     assert summary["steps"] == 36 and summary["epochs"] == 3
     assert min(m["step"] for m in read_metrics(job)) > 24  # its own record: only what it trained
     assert summary["wandb"]["id"] != read_summary(reference)["wandb"]["id"]
-    assert {p: p.stat().st_mtime_ns for p in reference.rglob("*") if p.is_file()} == before
+    assert mtimes(reference) == before

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ctrl_c, ddpexp_env, read_summary, run_ddpexp, until
+from conftest import ctrl_c, ddpexp_env, mtimes, read_summary, run_ddpexp, until
 
 pytestmark = pytest.mark.slow
 
@@ -73,11 +73,11 @@ def test_a_killed_sweep_run_again_finishes_only_the_missing_work(tmp_path: Path)
         proc.kill()
     assert [read_summary(sweep / str(i))["status"] for i in (0, 1)] == ["completed", "completed"]
     assert not (sweep / "2" / "summary.json").exists() and not (sweep / "3").exists()
-    done = {p: p.stat().st_mtime_ns for i in (0, 1) for p in (sweep / str(i)).rglob("*")}
+    done = mtimes(sweep / "0", sweep / "1")
 
     again = run_ddpexp(*args, "debug.step_delay_s=0.2", cwd=tmp_path, timeout=180)
     assert again.stdout.count("already completed in") == 2
-    assert {p: p.stat().st_mtime_ns for i in (0, 1) for p in (sweep / str(i)).rglob("*")} == done
+    assert mtimes(sweep / "0", sweep / "1") == done
     resumed = read_summary(sweep / "2")
     assert resumed["status"] == "completed" and resumed["resumed_from"]["step"] >= 4 and resumed["steps"] == 10
     assert read_summary(sweep / "3")["status"] == "completed" and "resumed_from" not in read_summary(sweep / "3")

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import shutil
+import signal
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -58,6 +64,10 @@ def test_ctrl_c_checkpoints_exits_130_and_the_rerun_resumes_bit_equal(
     assert proc.returncode == 130 and summary["status"] == "interrupted", out + err
     assert f"interrupted by SIGINT at step {summary['steps']}" in err and "resume with: python -m ddpexp" in err
     assert (job / "checkpoints" / "latest").read_text() == f"step-{summary['steps']:08d}.pt"
+    deadline = time.time() + 10  # the ranks' actors (Ray titles their processes ray::Rank) end; the head runs on
+    while processes_naming("ray::Rank") and time.time() < deadline:
+        time.sleep(0.5)
+    assert processes_naming("ray::Rank") == [], "a rank's actor outlived the interrupted job"
     resumed = run_ddpexp(*args, cwd=tmp_path, env=ray_head, timeout=240)
     assert f"resumed from {job}/checkpoints/step-{summary['steps']:08d}.pt" in resumed.stdout
     assert read_summary(job)["status"] == "completed"
@@ -106,3 +116,39 @@ def test_plan_without_an_address_starts_no_runtime(tmp_path: Path) -> None:
     assert "Ray (a local runtime of this command): placement group of 4 x {'CPU': 1.0} (SPREAD)" in plan.stdout
     assert "rank 3: device=cpu RANK=3" in plan.stdout and "WORLD_SIZE=4" in plan.stdout
     assert not (tmp_path / "job").exists()
+
+
+def processes_naming(text: str) -> list[int]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().decode(errors="replace"):
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_a_local_runtime_runs_bit_equal_to_spawn_and_is_gone_after(tmp_path: Path, reference: Path) -> None:
+    """No address: the command starts a Ray runtime of its own (its processes name its temp dir) and ends it."""
+    pytest.importorskip("ray", reason="Ray is not installed here: pip install -e '.[ray]'")
+    temp = tempfile.mkdtemp(prefix="rl", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    env = {k: v for k, v in ddpexp_env().items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=temp, RAY_AUTH_MODE="disabled")
+    try:
+        proc = run_ddpexp(*RAY, *COMMON, "debug.check_replicas=true", "hydra.run.dir=job", cwd=tmp_path, env=env,
+                          timeout=240)  # fmt: skip
+        assert "ddpexp: submitted 2 rank(s) to Ray (a local runtime of this command)" in proc.stdout
+        assert list(Path(temp).glob("ray/session_*")), "the runtime was not this command's own"
+        check_run_record(tmp_path / "job", "ray", 2)
+        assert_same_run(tmp_path / "job", reference)
+        deadline = time.time() + 10
+        while processes_naming(temp) and time.time() < deadline:
+            time.sleep(0.5)
+        assert processes_naming(temp) == [], "the command's Ray runtime outlived it"
+    finally:
+        for pid in processes_naming(temp):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
