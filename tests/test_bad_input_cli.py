@@ -251,8 +251,7 @@ def test_version_is_ddpexp_s_own(monkeypatch: pytest.MonkeyPatch, capsys: pytest
 JOBLIB = "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher"
 NOT_A_PLUGIN = (
     "ddpexp starts each job's ranks itself (launcher=spawn, torchrun or slurm) and runs a sweep's jobs one after "
-    "another; a Hydra launcher plugin cannot start them. Drop hydra/launcher (parallel local sweeps are to come as "
-    "sweep.parallel)"
+    "another; a Hydra launcher plugin cannot start them. Drop hydra/launcher (sweep.parallel=N runs N jobs at once)"
 )
 
 

@@ -81,6 +81,13 @@ def test_sweep_parallel_is_checked_for_the_launcher_and_the_devices() -> None:
     elsewhere = types.SimpleNamespace(world_size=lambda config: config["gpus"])  # no SWEEP_PARALLEL: a user's ray
     with pytest.raises(ConfigError, match="launcher=spawn does not run its ranks on this machine"):
         checked(elsewhere, "sweep.parallel=2", "gpus=1")
+    port = r"the jobs at once would all bind that port; leave the port free \(null, or port 0\)"
+    with pytest.raises(ConfigError, match=rf"^sweep.parallel=2 with launcher.master_port=29500: {port}"):
+        checked(spawn, "sweep.parallel=2", "gpus=1", "launcher.master_port=29500")
+    for endpoint in ("localhost:29400", "localhost"):  # no port: c10d's default, 29400
+        with pytest.raises(ConfigError, match=rf"^sweep.parallel=2 with launcher.rdzv_endpoint='{endpoint}': {port}"):
+            checked(torchrun, "launcher=torchrun", "sweep.parallel=2", "gpus=1", f"launcher.rdzv_endpoint={endpoint}")
+    assert checked(torchrun, "launcher=torchrun", "sweep.parallel=2", "gpus=1") is None  # localhost:0: a free port
     with pytest.raises(ConfigError, match=r"sweep.parallel=0: must be >= 1"):
         make_config("sweep.parallel=0")
 

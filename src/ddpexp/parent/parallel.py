@@ -58,6 +58,12 @@ def check(cfg: Any, launcher: Any, name: str, config: dict[str, Any]) -> str | N
         raise ConfigError(
             f"sweep.parallel={n}: a job of launcher={name} spans several nodes here; use sweep.parallel=1"
         )
+    port = fixed_port(cfg.launcher)
+    if port is not None:
+        raise ConfigError(
+            f"sweep.parallel={n} with {port}: the jobs at once would all bind that port; leave the port free "
+            "(null, or port 0) so that each job binds its own"
+        )
     have = len(devices(cfg.device))
     if n * cfg.gpus > have:
         what = f"GPUs, {have} visible here" if cfg.device == "cuda" else f"CPU ranks, on {have} CPU core(s) here"
@@ -65,6 +71,17 @@ def check(cfg: Any, launcher: Any, name: str, config: dict[str, Any]) -> str | N
             f"sweep.parallel={n} x gpus={cfg.gpus}: {n * cfg.gpus} {what} (each job needs its own); "
             f"use sweep.parallel<={max(1, have // cfg.gpus)} or gpus<={max(1, have // n)}"
         )
+    return None
+
+
+def fixed_port(lc: Any) -> str | None:
+    """The rendezvous port a launcher's config fixes, as `key=value`: spawn's master_port, torchrun's rdzv_endpoint
+    (without a port it is c10d's default, 29400); None where each job binds a free one."""
+    if getattr(lc, "master_port", None):
+        return f"launcher.master_port={lc.master_port}"
+    endpoint = getattr(lc, "rdzv_endpoint", None)
+    if endpoint is not None and str(endpoint).rpartition(":")[2] != "0":
+        return f"launcher.rdzv_endpoint={endpoint!r}"
     return None
 
 

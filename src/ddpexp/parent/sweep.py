@@ -97,5 +97,5 @@ def refuse_hydra_launcher(config: DictConfig) -> None:
     raise CommandError(
         f"{given}: ddpexp starts each job's ranks itself (launcher=spawn, torchrun or slurm) and "
         "runs a sweep's jobs one after another; a Hydra launcher plugin cannot start them. Drop hydra/launcher "
-        "(parallel local sweeps are to come as sweep.parallel)"
+        "(sweep.parallel=N runs N jobs at once)"
     )
