@@ -190,10 +190,10 @@ def read_summary_like(path: Path) -> dict:
                 "SLURM_NODEID": "2",
                 "SLURM_STEP_TASKS_PER_NODE": "2(x2),1",
                 "SLURM_STEP_NODELIST": "gpu[7-9]",
-                "SLURM_JOB_ID": "1000",
+                "SLURM_JOB_ID": "3000",
                 "SLURM_STEP_ID": "0",
             },
-            ("srun", 4, 0, 5, 1, "gpu7", 15000 + 7000 % 20000, 0),
+            ("srun", 4, 0, 5, 1, "gpu7", 21000, 0),  # 15000 + 3000 x 7 % 15000: below the ephemeral ports
         ),
         (
             {
@@ -222,6 +222,30 @@ def test_the_outside_world_is_read_from_each_launchers_variables(env: dict[str, 
     got = None if world is None else (world.source, world.rank, world.local_rank, world.world_size,
                                       world.local_world_size, world.master_addr, world.master_port, world.restarts)  # fmt: skip
     assert got == want
+
+
+def test_a_slurm_task_rendezvous_port_is_below_the_ephemeral_ports() -> None:
+    """launcher=slurm's tasks: submitit would draw MASTER_PORT from 20000-60000, where a port bound as port 0 (any
+    spawn job's, here) can already hold it: the job's rank 0 failed with EADDRINUSE and rank 1 waited on."""
+    from conftest import make_config
+    from ddpexp.job import Job
+    from ddpexp.launchers.slurm import SlurmTask
+
+    seen: dict[str, str] = {}
+    slurm = {"SLURM_JOB_ID": "10", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+             "SLURM_LOCALID": "1", "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "node1",
+             "SLURM_STEP_NODELIST": "node1", "SUBMITIT_EXECUTOR": "slurm"}  # fmt: skip
+    saved = dict(os.environ)  # the task exports env:// into os.environ
+    try:
+        for key in ("MASTER_PORT", "MASTER_ADDR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            os.environ.pop(key, None)
+        os.environ.update(slurm)
+        job = Job(dir="x", name="", group=None, launcher="slurm", config_yaml="")
+        SlurmTask(lambda cfg, job: seen.update(os.environ), make_config("launcher=slurm", "gpus=2"), job)()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    assert (seen["MASTER_PORT"], seen["MASTER_ADDR"], seen["RANK"], seen["WORLD_SIZE"]) == ("15070", "node1", "1", "2")
 
 
 @pytest.mark.parametrize(

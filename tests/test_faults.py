@@ -240,3 +240,15 @@ def test_resume_from_another_jobs_checkpoint_starts_a_new_record(tmp_path: Path,
     assert min(m["step"] for m in read_metrics(job)) > 24  # its own record: only what it trained
     assert summary["wandb"]["id"] != read_summary(reference)["wandb"]["id"]
     assert mtimes(reference) == before
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_a_rank_killed_by_a_signal_is_the_error_not_its_peers_echo(tmp_path: Path, launcher: str) -> None:
+    """Rank 1 SIGKILLed (the OOM killer's way), no restarts: rank 0's gloo error ("Connection reset by peer") is an
+    echo of its going, and was the one reported."""
+    proc = run_ddpexp(f"launcher={launcher}", "gpus=2", "max_steps=4", "log_every_n_steps=2", "wandb.mode=disabled",
+                      "debug.kill_at_step=2", "debug.fail_rank=1", "hydra.run.dir=job", cwd=tmp_path, check=False)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1] == "ddpexp: error: rank 1 failed: its process died (SIGKILL)"
+    assert read_summary(tmp_path / "job")["error"] == "rank 1 failed: its process died (SIGKILL)"

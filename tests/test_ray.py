@@ -51,6 +51,19 @@ def test_a_killed_rank_restarts_the_gang_and_the_run_is_bit_equal_to_spawn(
 
 
 @pytest.mark.timeout(300)
+def test_a_killed_rank_without_restarts_fails_the_job_in_one_line_naming_it(
+    tmp_path: Path, ray_head: dict[str, str]
+) -> None:
+    proc = run_ddpexp(*RAY, *TINY, "debug.kill_at_step=2", "debug.fail_rank=1", "hydra.run.dir=job", cwd=tmp_path,
+                      env=ray_head, check=False, timeout=240)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert re.fullmatch(r"ddpexp: error: rank 1 failed: its process died \(.*\)\n", proc.stderr), proc.stderr
+    summary = read_summary(tmp_path / "job")
+    assert summary["status"] == "failed" and summary["error"].startswith("rank 1 failed: its process died (")
+    assert "restarting" not in proc.stdout
+
+
+@pytest.mark.timeout(300)
 def test_ctrl_c_checkpoints_exits_130_and_the_rerun_resumes_bit_equal(
     tmp_path: Path, ray_head: dict[str, str], reference: Path
 ) -> None:

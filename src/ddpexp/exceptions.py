@@ -23,10 +23,12 @@ class ReportError(ConfigError):
 
 
 class RankFailure(RuntimeError):
-    """A rank died (exit code 1); the message carries its traceback's tail."""
+    """A rank failed (exit code 1); the message carries its traceback's tail. `died`: its process ended without
+    raising (a signal: the OOM killer's SIGKILL, a segfault), so it is the root cause over its peers' errors, which
+    are echoes of its going (gloo's "Connection reset by peer")."""
 
-    def __init__(self, rank: int | str, detail: str):
-        self.rank, self.detail = rank, detail.strip()
+    def __init__(self, rank: int | str, detail: str, died: bool = False):
+        self.rank, self.detail, self.died = rank, detail.strip(), died
         last = self.detail.splitlines()[-1] if self.detail else "no traceback"
         more = f"\n{self.detail}" if "\n" in self.detail else ""  # a traceback; a one-line reason is said once
         super().__init__(f"rank {rank} failed: {last}{more}")

@@ -235,7 +235,7 @@ class RayJob:
                 self.ray.get(ref)
             except self.ray.exceptions.RayActorError as e:  # its process died (a signal, out of memory)
                 why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                died.append(RankFailure(self.runs.index(ref), f"its process died ({why})"))
+                died.append(RankFailure(self.runs.index(ref), f"its process died ({why})", died=True))
             except self.ray.exceptions.RayTaskError as e:  # the rank raised: its traceback
                 raised.append(RankFailure(self.runs.index(ref), tail(str(e))))
         raised.sort(key=lambda f: (read_json(self.job.error_path(f.rank)) or {}).get("time", float("inf")))

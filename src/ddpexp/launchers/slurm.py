@@ -18,6 +18,7 @@ from typing import Any
 from ddpexp.config import LauncherConfig, check
 from ddpexp.exceptions import ConfigError, RankFailure
 from ddpexp.launchers.base import Handle, tail
+from ddpexp.launchers.world import slurm_port
 
 SWEEP_PARALLEL = "scheduler"  # each job is a Slurm job: a sweep's jobs run at once already, as Slurm places them
 
@@ -81,8 +82,11 @@ class SlurmTask:
     def __call__(self) -> None:
         from submitit.helpers import TorchDistributedEnvironment
 
+        dist = TorchDistributedEnvironment()
+        if "MASTER_PORT" not in os.environ:  # not submitit's draw from 20000-60000 (world.slurm_port says why)
+            dist.master_port = slurm_port(os.environ)
         # Every GPU of the node stays visible: each rank picks cuda:LOCAL_RANK, as under spawn and torchrun.
-        TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        dist.export(set_cuda_visible_devices=False)
         # A Slurm task stays in its step's process group (slurmstepd tracks it there): no detaching here.
         # The worker takes the signal as "checkpoint, then requeue": the requeued job runs this again and resumes
         # from the job dir. (It replaces submitit's own handler, which would requeue unsaved.)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -181,6 +182,11 @@ def _run_agent(worker: Callable[..., None], cfg: Any, job: Any) -> None:
     except SignalException as e:  # SIGHUP/SIGQUIT: the agent passed it on to the ranks and waited for them
         logging.getLogger("ddpexp").warning("torchrun agent stopped by %s", e.sigval.name)
     except ChildFailedError as e:
+        # A rank killed by a signal the agent did not send (it ends the others with SIGTERM) is the root cause.
+        deaths = [(r, f) for r, f in e.failures.items() if f.exitcode < 0 and -f.exitcode != signal.SIGTERM]
+        if deaths:
+            rank, failure = min(deaths, key=lambda rf: rf[1].timestamp)
+            raise RankFailure(rank, f"its process died ({signal.Signals(-failure.exitcode).name})", died=True) from None
         rank, failure = e.get_first_failure()
         detail = (
             failure.message.get("extraInfo", {}).get("py_callstack", "") if isinstance(failure.message, dict) else ""

@@ -32,6 +32,13 @@ class World:
         return f"started by {by}: rank {self.rank} of {self.world_size}"
 
 
+def slurm_port(env: Any) -> int:
+    """The rendezvous port of a Slurm step: every task computes it alike from the job and step ids (Lightning does
+    the same), in 15000-29999, below Linux's ephemeral ports (32768-60999), where a port bound as port 0 or an
+    outgoing connection takes its own: a port drawn from 20000-60000 (submitit's) was taken that way here."""
+    return 15000 + (int(env.get("SLURM_JOB_ID", 0)) * 7 + int(env.get("SLURM_STEP_ID", 0))) % 15000
+
+
 def outside_world(env: Any = os.environ) -> World | None:
     """The world another launcher started this process in (a world of more than one rank), or None."""
     try:
@@ -42,11 +49,7 @@ def outside_world(env: Any = os.environ) -> World | None:
         if "SLURM_STEP_NUM_TASKS" in env and "SLURM_PROCID" in env:  # a task of `srun` (a batch script has none)
             per_node = _tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE", ""), int(env.get("SLURM_NODEID", 0)))
             master = env.get("MASTER_ADDR") or _first_host(env.get("SLURM_STEP_NODELIST", "localhost"))
-            # The port from the job and step ids, as every task computes it alike (Lightning does the same).
-            port = (
-                env.get("MASTER_PORT")
-                or 15000 + (int(env.get("SLURM_JOB_ID", 0)) * 7 + int(env.get("SLURM_STEP_ID", 0))) % 20000
-            )
+            port = env.get("MASTER_PORT") or slurm_port(env)
             return _world("srun", env["SLURM_PROCID"], env.get("SLURM_LOCALID", 0), env["SLURM_STEP_NUM_TASKS"],
                           per_node, {"MASTER_ADDR": master, "MASTER_PORT": port},
                           restarts=env.get("SLURM_RESTART_COUNT", 0))  # fmt: skip

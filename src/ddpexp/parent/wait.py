@@ -32,7 +32,7 @@ def wait(job: Job, handle: Handle, start: float) -> float | None:
     try:
         handle.wait()
     except RankFailure as e:
-        raise record_failure(job, first_failure(job) or e, time.time() - start) from None
+        raise record_failure(job, e if e.died else first_failure(job) or e, time.time() - start) from None
     except BaseException as e:
         record_failure(job, e, time.time() - start)
         raise
