@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 import os
 import re
 import shutil
@@ -91,7 +92,8 @@ def test_ctrl_c_checkpoints_exits_130_and_the_rerun_resumes_bit_equal(
 def test_a_sweep_submits_every_job_before_waiting(tmp_path: Path, ray_head: dict[str, str]) -> None:
     """2 jobs x 2 ranks on a 2-CPU head: the second job's placement group waits for the first's CPUs."""
     sweep = tmp_path / "sweep"
-    proc = run_ddpexp("-m", *RAY, *TINY, "seed=1,2", f"hydra.sweep.dir={sweep}", cwd=tmp_path, env=ray_head,
+    tracked = [a for a in TINY if a != "wandb.mode=disabled"]  # offline W&B: one run per job, the sweep its group
+    proc = run_ddpexp("-m", *RAY, *tracked, "seed=1,2", f"hydra.sweep.dir={sweep}", cwd=tmp_path, env=ray_head,
                       timeout=240)  # fmt: skip
     lines = proc.stdout.splitlines()
     submitted = [i for i, line in enumerate(lines) if line.startswith("ddpexp: submitted 2 rank(s) to Ray")]
@@ -100,6 +102,12 @@ def test_a_sweep_submits_every_job_before_waiting(tmp_path: Path, ray_head: dict
     for n in range(2):
         summary = read_summary(sweep / str(n))
         assert (summary["status"], summary["launcher"], summary["world_size"]) == ("completed", "ray", 2)
+    runs = [read_offline_run(r) for r in find_offline_runs(sweep)]
+    assert len(runs) == 2 and {r["group"] for r in runs} == {str(sweep)}
+    report = run_ddpexp("report", str(sweep), cwd=tmp_path)
+    assert "2 job(s): 2 completed" in report.stdout, report.stdout
+    with open(sweep / "report.csv") as f:
+        assert sorted(row["seed"] for row in csv.DictReader(f)) == ["1", "2"]
 
 
 @pytest.mark.timeout(120)
