@@ -3,6 +3,8 @@ user's own code (`ddpexp.run(...)` in a notebook) catch them by these names."""
 
 from __future__ import annotations
 
+import signal
+
 
 class ConfigError(ValueError):
     """Bad input (a configuration value, a command line, a user's component): one line, exit code 2."""
@@ -32,6 +34,15 @@ class RankFailure(RuntimeError):
         last = self.detail.splitlines()[-1] if self.detail else "no traceback"
         more = f"\n{self.detail}" if "\n" in self.detail else ""  # a traceback; a one-line reason is said once
         super().__init__(f"rank {rank} failed: {last}{more}")
+
+    @classmethod
+    def by_signal(cls, rank: int | str, signum: int) -> RankFailure:
+        """The rank's process was killed by signal `signum` (it raised nothing): `died`."""
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        return cls(rank, f"its process died ({name})", died=True)
 
 
 class RunFailed(RuntimeError):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -95,9 +94,7 @@ def _join(mp: Any, store: Any, join: Callable[[], None], forwarding: forward_sig
         raise RankFailure(e.error_index, tail(e.msg.split("error:", 1)[-1])) from None
     except mp.ProcessExitedException as e:  # it ended without raising: by a signal (died), or an exit code
         if e.exit_code < 0:
-            raise RankFailure(
-                e.error_index, f"its process died ({signal.Signals(-e.exit_code).name})", died=True
-            ) from None
+            raise RankFailure.by_signal(e.error_index, -e.exit_code) from None
         raise RankFailure(e.error_index, f"exited with code {e.exit_code}") from None
     finally:
         if forwarding is not None:

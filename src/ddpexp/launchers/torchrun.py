@@ -186,7 +186,7 @@ def _run_agent(worker: Callable[..., None], cfg: Any, job: Any) -> None:
         deaths = [(r, f) for r, f in e.failures.items() if f.exitcode < 0 and -f.exitcode != signal.SIGTERM]
         if deaths:
             rank, failure = min(deaths, key=lambda rf: rf[1].timestamp)
-            raise RankFailure(rank, f"its process died ({signal.Signals(-failure.exitcode).name})", died=True) from None
+            raise RankFailure.by_signal(rank, -failure.exitcode) from None
         rank, failure = e.get_first_failure()
         detail = (
             failure.message.get("extraInfo", {}).get("py_callstack", "") if isinstance(failure.message, dict) else ""
