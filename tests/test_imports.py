@@ -1,6 +1,6 @@
 """The package's import graph: no circle, and each layer imports only the layers below it (docs/architecture.md).
-Every `import ddpexp.x` / `from ddpexp... import` in src/ddpexp counts, at module level or inside a function (a lazy
-import is still a dependency), except those under TYPE_CHECKING."""
+Every `import ddpexp.x` / `from ddpexp... import` in src/ddpexp counts, at module level, inside a function (a lazy
+import is still a dependency) or under TYPE_CHECKING (a type from a layer above is a dependency on it too)."""
 
 from __future__ import annotations
 
@@ -18,22 +18,19 @@ def module_name(path: Path) -> str:
 
 
 def imports(path: Path, modules: set[str]) -> set[str]:
-    tree = ast.parse(path.read_text())
-    type_checking = {
-        id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test)
-        for n in ast.walk(node)
-    }  # fmt: skip
+    return imports_of(path.read_text(), modules) - {module_name(path)}
+
+
+def imports_of(source: str, modules: set[str]) -> set[str]:
     found = set()
-    for node in ast.walk(tree):
-        if id(node) in type_checking:
-            continue
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name in modules}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             if node.module in modules:
                 found.add(node.module)
             found |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules}
-    return found - {module_name(path)}
+    return found
 
 
 def graph() -> dict[str, set[str]]:
@@ -76,6 +73,18 @@ def test_the_import_graph_has_no_circle() -> None:
 def test_a_circle_would_be_found() -> None:
     assert circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert circle({"a": {"b"}, "b": set()}) is None
+
+
+def test_imports_inside_functions_and_for_types_count() -> None:
+    """The four circles cli.command <-> parent.* ran through imports in functions and under TYPE_CHECKING."""
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from ddpexp.cli.command import Command\n"
+        "def run():\n    from ddpexp.parent import launch\n    import ddpexp.rank.worker\n"
+    )
+    modules = {"ddpexp.cli.command", "ddpexp.parent", "ddpexp.parent.launch", "ddpexp.rank.worker"}
+    assert imports_of(source, modules) == {"ddpexp.cli.command", "ddpexp.parent", "ddpexp.parent.launch",
+                                           "ddpexp.rank.worker"}  # fmt: skip
 
 
 def test_config_imports_nothing_that_runs() -> None:

@@ -238,7 +238,7 @@ def test_the_recorded_mode_sorts_a_user_task_s_own_metric(tmp_path: Path, capsys
     from ddpexp.report.main import build
     from user_task import BitsPerChar
 
-    mode = objective_mode(BitsPerChar(), "task=user_task.BitsPerChar", "val/bits_per_char", "auto")
+    mode = objective_mode(BitsPerChar(), "val/bits_per_char", "auto")
     sweep, bits = tmp_path / "sweep", {"0": 2.5, "1": 1.25, "2": 3.0}
     for name, b in bits.items():
         job = sweep / name

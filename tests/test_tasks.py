@@ -44,9 +44,10 @@ BAD = [
     (["data=stdlib_text", "model=gpt", "task=classification"], "task=classification: the model outputs shape (2, 64, 98); it needs (batch, classes)"),
     (["data=stdlib_text", "model=mlp", "task=language_model"], "model=mlp: the data gives neither in_features"),
     (["task._target_=user_task.BadDirections", *USER_TASK], "task=user_task.BadDirections.directions={'brier': 'minimize', 'acc': 'max'}: must map metric names as metrics() returns them (no val/) to 'min' or 'max'"),
-    (["task._target_=user_task.Undeclared", *USER_TASK, "objective=val/brier"], "objective_mode=auto: task=user_task.Undeclared declares no direction for objective=val/brier (it has no directions); set objective_mode=min or objective_mode=max, or add 'brier' to the task's directions"),
-    # A user's data factory: the metrics are known only on the ranks, the task's declarations here already.
-    (["data._target_=uneven_data.splits", "task._target_=user_task.BitsPerChar", *USER_TASK, "objective=val/brier"], "objective_mode=auto: task=user_task.BitsPerChar declares no direction for objective=val/brier (its directions: bits_per_char min, acc max)"),
+    # No direction: only what cannot work without one is refused (a task written before `directions` still runs).
+    (["task._target_=user_task.Undeclared", *USER_TASK, "objective=val/brier", "early_stop.patience=2"], "early_stop.patience=2 needs to know which way is better: objective_mode=auto: task=user_task.Undeclared declares no direction for objective=val/brier (it has no directions); set objective_mode=min or objective_mode=max, or add 'brier' to the task's directions"),
+    # A task's real defect comes first, not its missing direction.
+    (["task._target_=user_task.UndeclaredVectorLoss", *USER_TASK, "objective=val/brier"], "task=user_task.UndeclaredVectorLoss.loss: must return a scalar float tensor"),
 ]  # fmt: skip
 
 
@@ -65,7 +66,24 @@ def test_good_tasks_pass_the_dry_build(monkeypatch) -> None:  # type: ignore[no-
                  ["experiment=diabetes_mlp", "objective=val/r2"], ["experiment=stdlib_gpt", "objective=val/ppl"],
                  ["task._target_=user_task.BitsPerChar", *USER_TASK, "objective=val/bits_per_char"],
                  ["task._target_=user_task.Undeclared", *USER_TASK, "objective=val/brier", "objective_mode=min"]):  # fmt: skip
-        components(make_config(*args))
+        assert components(make_config(*args)) is None
+
+
+def test_an_unknown_direction_is_a_warning_and_a_sweeper_s_direction_declares_it(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    for args in ([], ["data._target_=uneven_data.splits"]):  # ddpexp's data; a user's data factory
+        cfg = make_config("task._target_=user_task.Undeclared", *USER_TASK, "objective=val/brier", *args)
+        assert components(cfg) == (
+            "objective_mode=auto: task=user_task.Undeclared declares no direction for objective=val/brier (it has no "
+            "directions); set objective_mode=min or objective_mode=max, or add 'brier' to the task's directions; "
+            "without it no best.pt is kept and `ddpexp report` lists the runs unsorted"
+        )
+        assert components(cfg, stated_mode="min") is None  # hydra.sweeper.direction=minimize said it
+    cfg = make_config("task._target_=user_task.BitsPerChar", *USER_TASK, "objective=val/brier",
+                      "data._target_=uneven_data.splits")  # fmt: skip
+    assert "declares no direction for objective=val/brier (its directions: bits_per_char min, acc max)" in (
+        components(cfg) or ""
+    )
 
 
 def test_built_in_tasks_declare_which_way_each_metric_they_log_is_better() -> None:
@@ -87,10 +105,10 @@ def test_built_in_tasks_declare_which_way_each_metric_they_log_is_better() -> No
         logged = finalize(task, {k: float(s) / float(n) for k, (s, n) in scores.items()})
         assert set(logged) == set(expected) and dict(task.directions) == expected, type(task).__name__
         assert directions(task) == {"train/loss": "min", **{f"val/{k}": v for k, v in expected.items()}}
-        assert objective_mode(task, "t", "train/loss", "auto") == "min"
+        assert objective_mode(task, "train/loss", "auto") == "min"
         for name, mode in expected.items():
-            assert objective_mode(task, "t", f"val/{name}", "auto") == mode
-            assert objective_mode(task, "t", f"val/{name}", "max") == "max"  # given: it wins over the declaration
+            assert objective_mode(task, f"val/{name}", "auto") == mode
+            assert objective_mode(task, f"val/{name}", "max") == "max"  # given: it wins over the declaration
     assert Classification().directions == {"loss": "min", "acc": "max"}  # top5 only where it is logged
     assert "val/top5" not in directions(Classification())
 

@@ -74,3 +74,9 @@ class CollidingMetric(BrierTask):
     def metrics(self, model, batch):  # type: ignore[no-untyped-def]
         scores = super().metrics(model, batch)
         return {**scores, "train/loss": scores["brier"]}  # would log as val/train/loss beside train/loss
+
+
+class UndeclaredVectorLoss(Undeclared):
+    """Broken twice: no directions (fine) and a per-sample loss (not): the loss is what gets named."""
+
+    loss = VectorLoss.loss

@@ -26,6 +26,8 @@ class Job:
     # The parent's resume decision: the checkpoint `resume=PATH` names, when the job dir holds none of its own.
     # The ranks take the job dir's own newest checkpoint when there is one (an elastic restart, a requeue), else this.
     resume_from: str | None = None
+    # min or max as a sweeper's `direction` states it: objective_mode=auto takes it where the task declares nothing.
+    stated_mode: str | None = None
     # Set by the launcher inside each rank, before it calls the worker: the worker names no launcher.
     restarts: int = 0  # how often this job was started again (an elastic restart, a scheduler's requeue)
     requeue_signal: str | None = None  # a signal that means "checkpoint, then requeue" (e.g. Slurm's USR2)

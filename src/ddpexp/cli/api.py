@@ -11,9 +11,11 @@ from contextlib import contextmanager
 from typing import Any
 
 from ddpexp.cli import hydra_patches, project
-from ddpexp.cli.command import Command
+from ddpexp.cli.command import task_function
 from ddpexp.cli.errors import CONFIG_EXIT, FAILED_EXIT, bad_override, verdict
 from ddpexp.exceptions import RunFailed
+from ddpexp.parent.command import Command
+from ddpexp.parent.wait import wait_deferred
 
 # The job name hydra.main gives `ddpexp` and `python -m ddpexp` (after the module): the job's log is __main__.log.
 TASK_NAME = "__main__"
@@ -53,7 +55,7 @@ def run(
             swept = _hydra_run(overrides, multirun, conf, cmd)
             if cmd.error is not None:
                 raise cmd.error
-            cmd.wait_deferred()
+            wait_deferred(cmd)
         except BaseException as e:
             error = python_error(e, cmd)
             if error is e:
@@ -90,9 +92,9 @@ def _hydra_run(overrides: list[str], multirun: bool, conf: str | None, cmd: Comm
         mode = RunMode.MULTIRUN if multirun else RunMode.RUN
         overrides = [*overrides, f"hydra.mode={mode.name}"]
     if mode == RunMode.RUN:
-        hydra.run(config_name="config", task_function=cmd.task, overrides=overrides)
+        hydra.run(config_name="config", task_function=task_function(cmd), overrides=overrides)
         return False
-    hydra.multirun(config_name="config", task_function=cmd.task, overrides=overrides)
+    hydra.multirun(config_name="config", task_function=task_function(cmd), overrides=overrides)
     return True
 
 

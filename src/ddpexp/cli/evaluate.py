@@ -15,8 +15,8 @@ USAGE = "ddpexp eval RUN_DIR [--checkpoint best|last|PATH] [--split val|test] [K
 
 def main(argv: list[str]) -> int:
     """The command: one result line (and RUN_DIR/eval/NAME.json), or one error line and exit 2."""
-    from ddpexp.cli.command import Command
     from ddpexp.cli.errors import report
+    from ddpexp.parent.command import Command
 
     parser = _Parser(prog="ddpexp eval", usage=USAGE, description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", metavar="RUN_DIR", help="a run's job dir (outputs/DATE/TIME, a sweep's job)")

@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from ddpexp.cli.command import Command
 from ddpexp.cli.errors import HERE
 from ddpexp.exceptions import CommandError
+from ddpexp.parent.command import Command
 
 
 @contextmanager

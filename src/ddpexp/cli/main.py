@@ -25,10 +25,12 @@ def main() -> None:
         print(f"ddpexp {version('ddpexp')}")
         sys.exit(0)
     from ddpexp.cli import hydra_patches, project
-    from ddpexp.cli.command import Command
+    from ddpexp.cli.command import task_function
     from ddpexp.cli.errors import report
+    from ddpexp.parent.command import Command
     from ddpexp.parent.outside import with_outside_launcher
     from ddpexp.parent.schema import register_configs
+    from ddpexp.parent.wait import wait_deferred
 
     given = project.given_config_dir(sys.argv[1:])
     conf = project.config_dir(given)
@@ -38,8 +40,8 @@ def main() -> None:
     register_configs()
     cmd = Command(argv=sys.argv[1:])  # the command's state, for its whole lifetime
     with hydra_patches.installed(cmd, cli=True), project.on_path(conf):
-        hydra.main(config_path=project.PACKAGE_CONF, config_name="config", version_base="1.3")(cmd.task)()
+        hydra.main(config_path=project.PACKAGE_CONF, config_name="config", version_base="1.3")(task_function(cmd))()
         # A multirun that submitted jobs to a scheduler, or runs them at once (sweep.parallel): wait for them now.
-        report(cmd.wait_deferred, cmd)
+        report(lambda: wait_deferred(cmd), cmd)
         if cmd.failed:
             sys.exit(f"ddpexp: {cmd.failed_jobs_message()}")

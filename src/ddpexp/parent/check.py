@@ -1,7 +1,7 @@
 """The parent's dry build of a run's parts, before any rank starts: the task is built and its methods checked; the
 model, optimizer and scheduler are built on PyTorch's meta device (no memory, no compute) and one batch of the
 data's shape goes through the model and the task's loss and metrics, `objective` checked to be a metric the task
-logs and declares a direction for, so a bad model, data, task, optimizer or scheduler value is one ConfigError
+logs, so a bad model, data, task, optimizer or scheduler value is one ConfigError
 line here instead of a traceback from every rank."""
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ DRY_STEPS = 3  # scheduler steps taken: a StepLR with step_size=0 fails on its f
 GROUPS = ("model", "data", "task", "optimizer", "scheduler")
 
 
-def components(cfg: Config) -> None:
-    """Raise ConfigError, naming the key and value, for a part of `cfg` that the ranks could not build or run."""
+def components(cfg: Config, stated_mode: str | None = None) -> str | None:
+    """Raise ConfigError, naming the key and value, for a part of `cfg` that the ranks could not build or run.
+    Returns a warning line when the objective's direction is unknown (`stated_mode`: a sweeper's direction)."""
     import torch
     from hydra.utils import instantiate
 
     from ddpexp.parts.optim import call_accepting
-    from ddpexp.parts.tasks import check_interface, objective_mode
+    from ddpexp.parts.tasks import check_interface
 
     for group in GROUPS:
         if getattr(cfg, group):
@@ -42,20 +43,32 @@ def components(cfg: Config) -> None:
             params = [torch.nn.Parameter(torch.empty(1))]
         else:
             params = list(_model_and_task(cfg, task, task_name, *example).parameters())
-        # Which way the objective is better, after the check that the task logs it (known here for ddpexp's data;
-        # a user's data factory's metrics are known on the ranks, but the task's declarations are known now).
-        objective_mode(task, task_name, cfg.objective, cfg.objective_mode)
         optimizer = _build(f"optimizer={_call(cfg.optimizer)}", lambda: instantiate(cfg.optimizer)(params))
-        if not cfg.scheduler:
-            return
-        # The real total comes from the loader's length (ranks); any count >= 1 builds the same kind of schedule.
-        total_steps = cfg.max_steps or cfg.epochs
-        scheduler = _build(
-            f"scheduler={_call(cfg.scheduler)}",
-            lambda: call_accepting(instantiate(cfg.scheduler), optimizer, total_steps=total_steps),
-        )
-        for _ in range(DRY_STEPS):
-            _build(f"scheduler={_call(cfg.scheduler)}", scheduler.step)
+        if cfg.scheduler:
+            # The real total comes from the loader's length (ranks); any count >= 1 builds the same kind of schedule.
+            total_steps = cfg.max_steps or cfg.epochs
+            scheduler = _build(
+                f"scheduler={_call(cfg.scheduler)}",
+                lambda: call_accepting(instantiate(cfg.scheduler), optimizer, total_steps=total_steps),
+            )
+            for _ in range(DRY_STEPS):
+                _build(f"scheduler={_call(cfg.scheduler)}", scheduler.step)
+    # Last, after every check of the parts: which way the objective is better.
+    return direction_warning(cfg, task, task_name, stated_mode)
+
+
+def direction_warning(cfg: Config, task: Any, task_name: str, stated_mode: str | None) -> str | None:
+    """None when the objective's direction is known. Without one the run trains and records as ever (a task
+    written before `directions` existed), and this line says what it does without: early stopping cannot work,
+    so it is refused."""
+    from ddpexp.parts.tasks import objective_mode, unknown_direction
+
+    if objective_mode(task, cfg.objective, cfg.objective_mode, stated_mode) is not None:
+        return None
+    why = unknown_direction(task, task_name, cfg.objective)
+    if cfg.early_stop.patience is not None:
+        raise ConfigError(f"early_stop.patience={cfg.early_stop.patience} needs to know which way is better: {why}")
+    return f"{why}; without it no best.pt is kept and `ddpexp report` lists the runs unsorted"
 
 
 def build_task(node: Any) -> tuple[Any, str]:

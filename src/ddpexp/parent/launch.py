@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 from hydra.core.hydra_config import HydraConfig
@@ -25,21 +25,19 @@ from ddpexp.exceptions import ConfigError, RankFailure
 from ddpexp.job import Job
 from ddpexp.launchers.base import Handle
 from ddpexp.parent import check, parallel
-from ddpexp.parent.objective import needs_each_value
+from ddpexp.parent.command import Command
+from ddpexp.parent.objective import needs_each_value, stated_mode
 from ddpexp.parent.plan import render as render_plan
 from ddpexp.parent.resume_decision import check_resume, config_sha256
 from ddpexp.parent.schema import FREE, closest_key, unknown_keys
 from ddpexp.parent.wait import first_failure, record_failure, wait
 from ddpexp.parts import data
 
-if TYPE_CHECKING:  # the command calls run(); the type only, no import circle
-    from ddpexp.cli.command import Command
-
 log = logging.getLogger("ddpexp")
 
 
 def run(dcfg: DictConfig, cmd: Command) -> float | None:
-    """One experiment, a full DDP run, for the command `cmd` (Command.task is Hydra's task function). Returns the
+    """One experiment, a full DDP run, for the command `cmd` (cli/command.py's task function calls it). Returns the
     final `objective`."""
     start = time.time()
     launcher = find_launcher(dcfg)
@@ -58,7 +56,7 @@ def run(dcfg: DictConfig, cmd: Command) -> float | None:
     if done is not None:
         return done
     data.prepare(cfg.data)
-    check.components(cfg)
+    cmd.warn(check.components(cfg, job.stated_mode))
     at_once = in_parallel(cfg, launcher)  # sweep.parallel=N: a child process of this command runs the job
     if at_once:
         parallel.check(cfg, launcher, job.launcher, config)  # type: ignore[arg-type]  # also before a basic sweep
@@ -151,7 +149,7 @@ def check_job(dcfg: DictConfig) -> str | None:
     config.update(gpus=cfg.gpus, device=cfg.device)  # type: ignore[union-attr]
     warning = parallel.check(cfg, launcher, HydraConfig.get().runtime.choices["launcher"], config)  # type: ignore[arg-type]
     if not cfg.plan:
-        check.components(cfg)
+        warning = check.components(cfg, stated_mode(HydraConfig.get())) or warning
     return warning
 
 
@@ -217,6 +215,7 @@ def make_job(config_yaml: str, argv: list[str]) -> Job:
         overrides=list(hc.overrides.task),
         config_sha256=config_sha256(config_yaml),
         command=list(argv),
+        stated_mode=stated_mode(hc),
     )
 
 

@@ -45,7 +45,8 @@ def refuse_for_search(config: Any) -> None:
 def check_sweeper_direction(config: Any) -> None:
     """ConfigError when the sweeper optimizes `objective` the other way than the run's `objective_mode` (as given,
     or auto: the task's declaration): an Optuna study maximizing val/mse would search for the worst parameters.
-    `config` is the composed DictConfig, before any trial; a sweeper without a `direction` is not checked."""
+    `config` is the composed DictConfig, before any trial; a sweeper without a `direction` is not checked, and
+    neither is a task that declares nothing for the objective: the sweeper's direction is then the declaration."""
     direction = _direction(config.hydra.sweeper.get("direction"))
     mode = config.get("objective_mode", "auto")
     if direction is None or mode not in ("auto", *WORDS):  # a bad mode: the job's own check names it
@@ -56,13 +57,20 @@ def check_sweeper_direction(config: Any) -> None:
         from ddpexp.parts.tasks import objective_mode
 
         task, name = build_task(config.task)
-        mode = objective_mode(task, name, objective, mode)
+        mode = objective_mode(task, objective, mode)
         why = f"{name} declares it {mode} (objective_mode=auto)"
-    if WORDS[mode] != direction:
+    if mode is not None and WORDS[mode] != direction:
         raise ConfigError(
             f"hydra.sweeper.direction={direction} contradicts objective={objective}: {why}; set "
             f"hydra.sweeper.direction={WORDS[mode]} (or objective_mode={'max' if mode == 'min' else 'min'})"
         )
+
+
+def stated_mode(hydra_cfg: Any) -> str | None:
+    """min or max as the sweeper's `direction` states it (None without one): the user's own statement of which
+    way the objective is better, taken as the declaration where the task makes none."""
+    direction = _direction(hydra_cfg.sweeper.get("direction")) if needs_each_value(hydra_cfg) else None
+    return next((mode for mode, word in WORDS.items() if word == direction), None)
 
 
 def _direction(value: Any) -> str | None:

@@ -14,17 +14,15 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 
 from ddpexp.exceptions import ConfigError, Interrupted, RankFailure
 from ddpexp.job import Job, read_json, write_json
 from ddpexp.launchers.processes import STOP_SIGNALS, die_with_parent, forward_signals, stop_signals_blocked, terminate
+from ddpexp.parent.command import Command
 from ddpexp.parent.wait import first_failure, interrupted_message, record_failure, wait
-
-if TYPE_CHECKING:  # the command holds the pool; the type only, no import circle
-    from ddpexp.cli.command import Command
 
 LOCAL, SCHEDULER = "local", "scheduler"  # a launcher module's SWEEP_PARALLEL (launchers/base.py)
 

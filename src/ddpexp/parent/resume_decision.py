@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 from hydra.core.hydra_config import HydraConfig
@@ -16,9 +16,7 @@ from ddpexp.config import Config
 from ddpexp.exceptions import ConfigError
 from ddpexp.job import Job, read_json
 from ddpexp.parent import sweep
-
-if TYPE_CHECKING:  # the command calls the parent; the type only, no import circle
-    from ddpexp.cli.command import Command
+from ddpexp.parent.command import Command
 
 
 def check_resume(cfg: Config, job: Job, cmd: Command) -> float | None:

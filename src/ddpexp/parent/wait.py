@@ -8,7 +8,7 @@ import os
 import shlex
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 from hydra.core.hydra_config import HydraConfig
@@ -17,9 +17,7 @@ from hydra.types import RunMode
 from ddpexp.exceptions import Interrupted, RankFailure
 from ddpexp.job import Job, read_json, write_json
 from ddpexp.launchers.base import Handle, tail
-
-if TYPE_CHECKING:  # the command holds what is waited for; the type only, no import circle
-    from ddpexp.cli.command import Command
+from ddpexp.parent.command import Command
 
 
 def wait(job: Job, handle: Handle, start: float) -> float | None:
@@ -39,20 +37,19 @@ def wait(job: Job, handle: Handle, start: float) -> float | None:
     return finish(job, start)
 
 
-def wait_deferred(cmd: Command) -> list[str]:
-    """After a multirun's submissions: wait for each job; returns the failed ones as "job_dir: error". The jobs
-    running at once here (sweep.parallel) are all waited for first, even after one stopped on a signal."""
+def wait_deferred(cmd: Command) -> None:
+    """After a multirun's submissions: wait for each job; the failed ones join `cmd.failed` as "job_dir: error".
+    The jobs running at once here (sweep.parallel) are all waited for first, even after one stopped on a signal."""
     if cmd.pool is not None:
         cmd.pool.drain(cmd)
-    failed, deferred = [], cmd.deferred
+    deferred = cmd.deferred
     while deferred:
         job, handle, start = deferred.pop(0)
         try:
             wait(job, handle, start)
         except RankFailure as e:
-            failed.append(f"{job.dir}: {str(e).splitlines()[0]}")
+            cmd.failed.append(f"{job.dir}: {str(e).splitlines()[0]}")
             print(f"ddpexp: error: job {job.dir}: {e}", file=sys.stderr)
-    return failed
 
 
 def finish(job: Job, start: float) -> float | None:

@@ -11,7 +11,8 @@ Any object with these methods is a task (subclassing `Task` gives the defaults o
   so a step's gradient is that of the mean over all its items, exactly. Without it, items are samples.
 - `items: str` (optional): what `count` counts, for the `{items}_per_s` throughput (e.g. "tokens").
 - `directions: {name: "min" | "max"}` (optional): which way each metric is better, so that `objective_mode=auto`
-  knows whether a sweep minimizes or maximizes `val/NAME` (train/loss is always minimized).
+  knows whether `val/NAME` is minimized or maximized, for best.pt, early stopping, a search's direction and
+  `ddpexp report`'s order (train/loss is always minimized). Without it the run trains and records as ever.
 - `finalize(averages) -> averages` (optional): metrics computed from the averaged ones, e.g. perplexity.
 - `to_device(batch, device, memory_format)` (optional): the default moves every tensor in the batch.
 """
@@ -39,7 +40,7 @@ class Task:
     """Defaults for a task's optional methods; `loss` and `metrics` are the task's own."""
 
     items = "items"
-    # Read-only: a subclass gives its own dict; none declared means objective_mode=auto refuses its metrics.
+    # Read-only: a subclass gives its own dict; none declared: objective_mode=auto knows no direction for them.
     directions: Mapping[str, str] = MappingProxyType({})
 
     def to_device(self, batch: Any, device: torch.device, memory_format: Any = torch.contiguous_format) -> Any:
@@ -203,20 +204,24 @@ def directions(task: Any) -> dict[str, str]:
     return {"train/loss": "min", **{f"val/{k}": v for k, v in dict(getattr(task, "directions", None) or {}).items()}}
 
 
-def objective_mode(task: Any, task_name: str, objective: str, mode: str) -> str:
-    """`objective_mode` resolved to min or max: as given, or (auto) the task's own declaration for `objective`.
-    Guessing from the name would sort val/mse upside down, so a metric the task declares nothing for is refused."""
+def objective_mode(task: Any, objective: str, mode: str, stated: str | None = None) -> str | None:
+    """`objective_mode` resolved to min or max: as given, or (auto) the task's own declaration for `objective`, or
+    else the direction the user stated elsewhere (`stated`: a sweeper's `direction`). None when nothing says:
+    guessing from the name would sort val/mse upside down, so the run trains and records without a direction
+    (no best.pt, an unsorted report); only what cannot work without one is refused (early stopping)."""
     if mode != "auto":
         return mode
-    found = directions(task).get(objective)
-    if found is None:
-        declared = ", ".join(f"{k} {v}" for k, v in dict(getattr(task, "directions", None) or {}).items())
-        raise ConfigError(
-            f"objective_mode=auto: {task_name} declares no direction for objective={objective} "
-            f"({'its directions: ' + declared if declared else 'it has no directions'}); set objective_mode=min or "
-            f"objective_mode=max, or add {objective.removeprefix('val/')!r} to the task's directions"
-        )
-    return found
+    return directions(task).get(objective) or stated
+
+
+def unknown_direction(task: Any, task_name: str, objective: str) -> str:
+    """Why objective_mode=auto found no direction for `objective`, and what to set: for a warning or an error."""
+    declared = ", ".join(f"{k} {v}" for k, v in dict(getattr(task, "directions", None) or {}).items())
+    return (
+        f"objective_mode=auto: {task_name} declares no direction for objective={objective} "
+        f"({'its directions: ' + declared if declared else 'it has no directions'}); set objective_mode=min or "
+        f"objective_mode=max, or add {objective.removeprefix('val/')!r} to the task's directions"
+    )
 
 
 def move(batch: Any, device: torch.device, memory_format: Any = torch.contiguous_format) -> Any:

@@ -20,7 +20,7 @@ class Best:
     that many small gains add up to one (as Keras and Lightning count), and `since` is the number of evaluations
     since it last moved."""
 
-    mode: str  # min or max: the objective's resolved mode
+    mode: str | None  # min or max: the objective's resolved mode; None: unknown, so no evaluation is the best
     value: float | None = None
     step: int | None = None
     epoch: int | None = None
@@ -31,6 +31,8 @@ class Best:
     def update(self, value: float | None, step: int, epoch: int, min_delta: float) -> bool:
         """Count one evaluation of the objective; True when it is the best yet (write best.pt). A value that is
         missing or not finite is no improvement."""
+        if self.mode is None:  # no direction: nothing is better (early stopping was refused in the parent)
+            return False
         if value is None or not math.isfinite(value):
             self.since += 1
             return False
@@ -52,7 +54,7 @@ class Best:
         return asdict(self)
 
     @classmethod
-    def restore(cls, mode: str, state: dict[str, Any] | None) -> Best:
+    def restore(cls, mode: str | None, state: dict[str, Any] | None) -> Best:
         """From a checkpoint's state (None: a checkpoint written before ddpexp kept one, or a fresh start)."""
         if not state:
             return cls(mode)

@@ -105,9 +105,12 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
     rank, world_size = dist.get_rank(), dist.get_world_size()
     p = build(cfg, device, resumed)
     task, loader, total_steps, optimizer = p.task, p.loader, p.total_steps, p.optimizer
-    # Which way the objective (and each metric) is better, for the record: `ddpexp report` sorts by it. The
-    # parent's check, again on the task the ranks built.
-    objective = {"name": cfg.objective, "mode": objective_mode(task, p.task_name, cfg.objective, cfg.objective_mode)}
+    # Which way the objective (and each metric) is better, for the record: `ddpexp report` sorts by it. As the
+    # parent resolved it, again on the task the ranks built; None (unknown: the parent warned) keeps no best.pt.
+    objective = {
+        "name": cfg.objective,
+        "mode": objective_mode(task, cfg.objective, cfg.objective_mode, job.stated_mode),
+    }
     # The task's metric names, on one val batch of each rank: a collision fails before step 1, not an epoch later.
     check_metric_names(task, p.model, p.splits.val, cfg.batch_size, device, p.autocast, p.memory_format, p.task_name)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from ddpexp.exceptions import ReportError
 from ddpexp.report.records import (
+    UNKNOWN,
     JobRecord,
     find_jobs,
     fmt,
@@ -115,7 +116,8 @@ def build(paths: list[str], objective: str | None, direction: str | None) -> dic
     if direction is None:  # the records' mode; else the sweeper's, about the jobs' own objective; else the name's
         swept_direction = facts.get("direction") if objective == own else None
         direction = recorded_direction(jobs, objective) or swept_direction or guess_direction(objective)
-    jobs = sort_jobs(jobs, objective, direction == "maximize")
+    if direction != UNKNOWN:  # else in job order: no value is better than another
+        jobs = sort_jobs(jobs, objective, direction == "maximize")
     seen = {k for j in jobs for k in j.final}
     known = sorted(seen or {"train/loss", "val/loss", "val/acc"})  # nothing finished: the usual names only
     if asked and asked not in known:
@@ -149,7 +151,7 @@ def headline(r: dict[str, Any]) -> list[str]:
         counts[j.status] = counts.get(j.status, 0) + 1
     lines = [f"{len(jobs)} job(s): " + ", ".join(f"{n} {s}" for s, n in counts.items())
              + f"; objective {objective} ({r['direction']})"]  # fmt: skip
-    best = jobs[0] if objective_value(jobs[0], objective) is not None else None
+    best = jobs[0] if r["direction"] != UNKNOWN and objective_value(jobs[0], objective) is not None else None
     if best is not None:
         lines.append(f"best: job {best.name}, {objective}={fmt(objective_value(best, objective))}")
     if "optuna" in r["facts"]:

@@ -79,7 +79,7 @@ def curves_figure(r: dict[str, Any]) -> Any:
             x, y = zip(*points)
             done = job.status == "completed"
             ax.plot(x, y, color=colour, linestyle="-" if done else "--", marker="o" if metric.startswith("val/") else
-                    None, markersize=4, linewidth=2.2 if job is jobs[0] and done else 1.4, label=label(job, r))  # fmt: skip
+                    None, markersize=4, linewidth=2.2 if job is jobs[0] and done and r["direction"] != "unknown" else 1.4, label=label(job, r))  # fmt: skip
             if not done:
                 ax.plot(x[-1], y[-1], marker="X", color=colour, markersize=8, linestyle="none")
         ax.set_xlabel("optimizer step")
@@ -115,7 +115,7 @@ def objective_figure(r: dict[str, Any]) -> Any:
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows + 0.8), layout="constrained",
                              squeeze=False)  # fmt: skip
     values = [objective_value(j, name) for j in jobs]
-    best = 0 if values and values[0] is not None else None
+    best = 0 if values and values[0] is not None and r["direction"] != "unknown" else None
     lo, hi = _value_range(values)
     for ax, key in zip(axes.flat, swept):
         xs, categories = _positions([j.overrides.get(key) for j in jobs])

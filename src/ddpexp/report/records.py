@@ -100,12 +100,17 @@ def load_job(job_dir: str, name: str) -> JobRecord:
     )  # fmt: skip
 
 
+UNKNOWN = "unknown"  # the runs recorded no direction for their objective: nothing is sorted, nothing is best
+
+
 def recorded_direction(jobs: list[JobRecord], metric: str) -> str | None:
     """minimize or maximize, as the jobs' records say for `metric`: the run's objective_mode when it is their
-    objective, else its task's declared direction; None when no record says (records older than both)."""
-    modes = [j.objective.get("mode") for j in jobs if j.objective.get("name") == metric]
-    modes += [j.directions.get(metric) for j in jobs]
-    return next((DIRECTIONS[m] for m in modes if m in DIRECTIONS), None)
+    objective, else its task's declared direction; `unknown` when the runs recorded that no direction was known
+    (a task without `directions`); None when no record says (records older than both)."""
+    own = [j.objective for j in jobs if j.objective.get("name") == metric]
+    modes = [o.get("mode") for o in own] + [j.directions.get(metric) for j in jobs]
+    found = next((DIRECTIONS[m] for m in modes if m in DIRECTIONS), None)
+    return found or (UNKNOWN if any("mode" in o and o["mode"] is None for o in own) else None)
 
 
 def guess_direction(objective: str) -> str:
