@@ -202,7 +202,7 @@ def _sweeper_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., 
         sweeper = original(self, **kwargs)
         launcher = getattr(sweeper, "launcher", None)
         if type(sweeper).__name__ == "BasicSweeper" and hasattr(launcher, "hydra_context"):
-            launcher.launch = every_job_checked_first(launcher, launcher.launch, _refused)
+            launcher.launch = every_job_checked_first(launcher, launcher.launch, _refused, cmd)
         sweep_dir = os.path.abspath(str(kwargs["config"].hydra.sweep.dir))
         sweep, path = sweeper.sweep, os.path.join(sweep_dir, "multirun.yaml")
 

@@ -8,7 +8,6 @@ import copy
 import importlib
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable
 from types import ModuleType
@@ -154,15 +153,14 @@ def check_job(dcfg: DictConfig) -> str | None:
 
 
 def every_job_checked_first(
-    launcher: Any, launch: Callable[..., Any], refused: Callable[[int, Exception], BaseException]
+    launcher: Any, launch: Callable[..., Any], refused: Callable[[int, Exception], BaseException], cmd: Command
 ) -> Callable[..., Any]:
     """Hydra's BasicLauncher composes and runs one job after the other (basic_launcher.py BasicLauncher.launch,
     L64-L82: load_sweep_config, then run_job), so a bad value in the last job would be found after the others
     trained. Every job of the batch is composed and checked first, as `run` checks it (parent.launch.check_job):
-    `refused(job_num, error)` is raised for a bad one, before any job starts."""
+    `refused(job_num, error)` is raised for a bad one, before any job starts; each warning is said once (`cmd`)."""
 
     def _checked_launch(job_overrides: Any, initial_job_idx: int) -> Any:
-        warnings = []
         for idx, overrides in enumerate(job_overrides, initial_job_idx):
             config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
             with open_dict(config):
@@ -172,12 +170,9 @@ def every_job_checked_first(
             with read_write(task_cfg), open_dict(task_cfg):
                 del task_cfg["hydra"]
             try:
-                warning = check_job(task_cfg)
+                cmd.warn(check_job(task_cfg))
             except Exception as e:
                 raise refused(idx, e) from None
-            if warning is not None and warning not in warnings:
-                warnings.append(warning)
-                print(f"ddpexp: warning: {warning}", file=sys.stderr, flush=True)
         return launch(job_overrides, initial_job_idx)
 
     return _checked_launch

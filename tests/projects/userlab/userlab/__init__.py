@@ -1,0 +1,1 @@
+"""A character model of Python's own source: the project's data, model and task."""
