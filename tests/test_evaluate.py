@@ -16,9 +16,13 @@ import pytest
 from conftest import ROOT, ddpexp_env, read_metrics, read_summary, run_ddpexp
 
 TEST_FRACTION, TEST_SAMPLES, VAL_SAMPLES = 0.056, 101, 359  # round(1797 * 0.056) = 101: odd, no multiple of 2 or 3
-# 2 ranks x 21 steps an epoch: at lr 0.1 the mlp's val/loss is lowest after epoch 1 (step 42), worse after it.
-PEAKS = ["launcher=spawn", "gpus=2", "model=mlp", "optimizer.lr=0.1", "epochs=4", "batch_size=32",
-         f"+data.test_fraction={TEST_FRACTION}", "objective=val/loss", "log_every_n_steps=100", "wandb.mode=disabled"]  # fmt: skip
+# 2 ranks x 21 steps an epoch. The peak is made certain, not likely (a CPU's float kernels decide a trajectory's
+# details): the mlp learns for one epoch at lr 0.01, then the schedule sets lr 1 (AdamW moves each weight by about
+# the lr a step), which ruins it, so val/loss is lowest at the first evaluation (step 21) whatever the kernels.
+PEAKS = ["launcher=spawn", "gpus=2", "model=mlp", "optimizer.lr=0.01", "scheduler=step", "~scheduler.step_size",
+         "scheduler._target_=torch.optim.lr_scheduler.MultiStepLR", "+scheduler.milestones=[21]", "scheduler.gamma=100",
+         "epochs=4", "batch_size=32", f"+data.test_fraction={TEST_FRACTION}", "objective=val/loss",
+         "log_every_n_steps=100", "wandb.mode=disabled"]  # fmt: skip
 TINY = ["gpus=1", "max_steps=2", "wandb.mode=disabled"]
 
 
@@ -52,7 +56,8 @@ def test_ddpexp_eval_rescores_best_pt_to_the_recorded_best_value(peaked: Path) -
     summary, rows = read_summary(peaked), read_metrics(peaked)
     val = [(m["step"], m["val/loss"]) for m in rows if "val/loss" in m]
     lowest = min(val, key=lambda row: row[1])
-    assert lowest[0] < val[-1][0] and summary["best"]["step"] == lowest[0]  # the setup still peaks mid-run
+    assert lowest[0] == 21 and summary["best"]["step"] == 21 and len(val) == 4  # the schedule's peak
+    assert all(loss > 2 * lowest[1] for _, loss in val[1:])  # ruined after it
     record_before = {p.name: p.read_bytes() for p in peaked.iterdir() if p.is_file()}
 
     proc = run_ddpexp("eval", str(peaked), "--checkpoint", "best", cwd=peaked.parent, timeout=120)
