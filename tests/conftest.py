@@ -78,6 +78,9 @@ def check_run_record(job: Path, launcher: str, world_size: int, metrics: set[str
     assert summary["replicas"]["identical"] and summary["replicas"]["max_abs_diff"] == 0.0
     assert set(summary["final"]) == metrics
     assert summary["versions"]["torch"] and summary["hostnames"] and summary["wall_time_s"] > 0
+    from ddpexp.rank.speed import cpu_quota  # the container's CPU quota, as the ranks read it (null: none)
+
+    assert "cpu_quota" in summary and summary["cpu_quota"] == cpu_quota()
     assert sorted(p.name for p in (job / "logs").iterdir()) == [f"rank{r}.log" for r in range(world_size)]
     assert (job / ".hydra" / "config.yaml").exists() and len(list(job.rglob(".hydra"))) == 1
     ckpt = __import__("torch").load(job / "checkpoints" / "last.pt", weights_only=True)

@@ -50,7 +50,7 @@ def _rank(rank: int, args: argparse.Namespace, variant: str, port: int, out: str
     from ddpexp.rank import speed
 
     world_size = 1 if variant == "ws1" else args.world_size
-    speed.limit_threads(world_size)
+    speed.limit_threads(world_size, speed.cpu_quota())
     speed.keep_freed_memory()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)

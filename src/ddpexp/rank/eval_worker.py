@@ -34,7 +34,7 @@ def main(request: Request, cfg: Config, job: Job) -> None:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     device = device_for(cfg, local_rank)
-    speed.limit_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    speed.limit_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), speed.cpu_quota())
     distributed.init(device, cfg.dist_timeout_s)
     try:
         start = time.time()

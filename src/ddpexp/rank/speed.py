@@ -13,10 +13,14 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses more on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 
 
-def limit_threads(local_world_size: int) -> int:
+def limit_threads(local_world_size: int, quota: float | None = None) -> int:
     """Split the cores between this node's ranks; N ranks x all cores each oversubscribes the CPU (on 2 cores,
-    2 ranks with 2 threads each run at about 0.6x the speed of 1 thread each)."""
+    2 ranks with 2 threads each run at about 0.6x the speed of 1 thread each). The cores are the fewer of the
+    affinity mask's and a container's CPU `quota` (cpu_quota(): a pod with limits.cpu: 4 on a 64-core node sees
+    64 cores)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if quota is not None:
+        cores = min(cores, max(1, int(quota)))
     threads = max(1, cores // local_world_size)
     torch.set_num_threads(threads)
     try:
@@ -24,6 +28,48 @@ def limit_threads(local_world_size: int) -> int:
     except RuntimeError:  # already set: a second job in the same process (gpus=1 inside a multirun)
         pass
     return threads
+
+
+def cpu_quota(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """The CPUs this process's cgroup may use (quota / period), the tightest of its cgroup and each parent; None
+    without a quota. cgroup v2: `cpu.max` ("400000 100000", or "max 100000"); v1: `cpu.cfs_quota_us` (-1: none) and
+    `cpu.cfs_period_us` in the cpu controller's hierarchy."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]
+    except OSError:
+        return None
+    found = []
+    for _, controllers, path in lines:
+        if controllers == "":  # v2's unified hierarchy
+            dirs = [cgroup_root]
+            names = ("cpu.max",)
+        elif "cpu" in controllers.split(","):
+            dirs = [os.path.join(cgroup_root, c) for c in (controllers, "cpu", "cpu,cpuacct")]
+            names = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        for top in dict.fromkeys(dirs):
+            parts = [p for p in path.split("/") if p]
+            for depth in range(len(parts), -1, -1):  # the cgroup, then each parent: a limit anywhere holds
+                value = _read_quota(os.path.join(top, *parts[:depth]), names)
+                if value is not None:
+                    found.append(value)
+    return min(found) if found else None
+
+
+def _read_quota(folder: str, names: tuple[str, ...]) -> float | None:
+    try:
+        if names == ("cpu.max",):
+            with open(os.path.join(folder, "cpu.max")) as f:
+                quota, period = f.read().split()[:2]
+        else:
+            quota, period = (open(os.path.join(folder, n)).read().strip() for n in names)
+    except (OSError, ValueError):
+        return None
+    if quota in ("max", "-1") or int(period) <= 0:
+        return None
+    return int(quota) / int(period)
 
 
 def keep_freed_memory() -> bool:

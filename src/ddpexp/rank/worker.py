@@ -38,7 +38,8 @@ def main(cfg: Config, job: Job) -> str:
     world_size = int(os.environ["WORLD_SIZE"])
     handlers = _setup_logging(job, rank)
     device = device_for(cfg, local_rank)
-    threads = speed.limit_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    quota = speed.cpu_quota()  # a container's CPU limit, in cores (None: none)
+    threads = speed.limit_threads(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), quota)
     keep_freed = cfg.keep_freed_memory and speed.keep_freed_memory()
     distributed.init(device, cfg.dist_timeout_s)
     tracker: NullTracker = NullTracker()
@@ -63,6 +64,7 @@ def main(cfg: Config, job: Job) -> str:
         if resumed is not None:
             summary["resumed_from"] = {"path": resumed.path, "step": resumed.position.step}
         summary["threads_per_rank"], summary["keep_freed_memory"] = threads, keep_freed
+        summary["cpu_quota"] = quota  # the threads follow it
         summary.update(train(cfg, job, device, tracker, resumed, stop))
         summary["peak_rss_mb"] = distributed.peak_rss_mb()
         summary["status"] = "completed"
