@@ -15,7 +15,6 @@ from ddpexp.cli.command import task_function
 from ddpexp.cli.errors import CONFIG_EXIT, FAILED_EXIT, bad_override, verdict
 from ddpexp.exceptions import RunFailed
 from ddpexp.parent.command import Command
-from ddpexp.parent.wait import wait_deferred
 
 # The job name hydra.main gives `ddpexp` and `python -m ddpexp` (after the module): the job's log is __main__.log.
 TASK_NAME = "__main__"
@@ -43,6 +42,7 @@ def run(
     """
     from ddpexp.exceptions import ConfigError
     from ddpexp.parent.outside import with_outside_launcher
+    from ddpexp.parent.wait import wait_deferred  # Hydra: imported on first call, not with ddpexp
 
     if isinstance(overrides, (str, bytes)):
         raise ConfigError(f"overrides={overrides!r}: must be a list of KEY=VALUE strings, not one string")
