@@ -21,7 +21,7 @@ TEST_FRACTION, TEST_SAMPLES, VAL_SAMPLES = 0.056, 101, 359  # round(1797 * 0.056
 # the lr a step), which ruins it, so val/loss is lowest at the first evaluation (step 21) whatever the kernels.
 PEAKS = ["launcher=spawn", "gpus=2", "model=mlp", "optimizer.lr=0.01", "scheduler=step", "~scheduler.step_size",
          "scheduler._target_=torch.optim.lr_scheduler.MultiStepLR", "+scheduler.milestones=[21]", "scheduler.gamma=100",
-         "epochs=4", "batch_size=32", f"+data.test_fraction={TEST_FRACTION}", "objective=val/loss",
+         "epochs=4", "batch_size=32", f"data.test_fraction={TEST_FRACTION}", "objective=val/loss",
          "log_every_n_steps=100", "wandb.mode=disabled"]  # fmt: skip
 TINY = ["gpus=1", "max_steps=2", "wandb.mode=disabled"]
 
@@ -37,9 +37,10 @@ def peaked(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def small(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny one-rank runs: the regression and LM presets with a test split, the example project without one."""
     root = tmp_path_factory.mktemp("small")
+    # `+data.test_fraction`, as the README had it before the key was declared, still carves the split
     run_ddpexp("experiment=diabetes_mlp", *TINY, "+data.test_fraction=0.1", "hydra.run.dir=diabetes", cwd=root)
     lm = ["data.max_chars=20000", "data.block_size=16", "model.n_layer=1", "model.n_embd=32", "batch_size=16"]
-    run_ddpexp("experiment=stdlib_gpt", *TINY, *lm, "+data.test_fraction=0.1", "hydra.run.dir=lm", cwd=root)
+    run_ddpexp("experiment=stdlib_gpt", *TINY, *lm, "data.test_fraction=0.1", "hydra.run.dir=lm", cwd=root)
     project = root / "myproject"
     shutil.copytree(ROOT / "examples" / "myproject", project, ignore=shutil.ignore_patterns("__pycache__", "outputs"))
     run_ddpexp("experiment=wine", *TINY, f"hydra.run.dir={root / 'wine'}", cwd=project)
@@ -172,7 +173,7 @@ def test_bad_input_is_one_line_and_exit_2(small: dict[str, Path], tmp_path: Path
     )
     assert eval_error([wine, "--checkpoint", "last", "--split", "test"], capsys) == (
         "ddpexp: error: --split test: the run's data (myproject.data.wine) has no test split "
-        "(the built-in sets carve one with +data.test_fraction=0.1)"
+        "(the built-in sets carve one with data.test_fraction=0.1)"
     )
     assert eval_error([wine, "--split", "train"], capsys) == "ddpexp: error: --split train: must be one of val, test"
     assert eval_error([wine, "--checkpoint", "last", "gpu=2"], capsys) == (
@@ -198,10 +199,15 @@ def test_digits_diabetes_and_text_carve_a_disjoint_test_split_only_when_asked() 
         old = torch.randperm(n, generator=torch.Generator().manual_seed(3))
         train0, val0, test0 = data._carve(n, val_fraction, 0.0, seed=3)
         assert torch.equal(val0, old[: len(val)]) and torch.equal(train0, old[len(val) :]) and len(test0) == 0
+        assert all(torch.equal(a, b) for a, b in zip(data._carve(n, val_fraction, None, seed=3), (train0, val0, test0)))
     splits = data.digits(test_fraction=TEST_FRACTION)
     assert (len(splits.train), len(splits.val), len(splits.test)) == (1797 - VAL_SAMPLES - TEST_SAMPLES, 359, 101)
     assert (
         data.digits().test is None and data.diabetes().test is None and len(data.diabetes(test_fraction=0.1).test) == 44
+    )
+    assert (
+        data.digits(test_fraction=None).test is None
+        and data.stdlib_text(max_chars=20000, test_fraction=None).test is None
     )
     text = data.stdlib_text(block_size=16, max_chars=20000, test_fraction=0.1)
     plain = data.stdlib_text(block_size=16, max_chars=20000)

@@ -235,7 +235,7 @@ WAYS: list[tuple[str, Callable[..., None], bool]] = [
      succeeds("plan=true"), False),  # run for real, Ctrl-C and resume included: tests/test_parallel.py
     (r"python -m ddpexp epochs=2 objective=val/loss early_stop\.patience=3 early_stop\.min_delta=0\.001$",
      best_kept, False),
-    (r"python -m ddpexp objective=val/loss \+data\.test_fraction=0\.1 hydra\.run\.dir=outputs/digits_test$",
+    (r"python -m ddpexp objective=val/loss data\.test_fraction=0\.1 hydra\.run\.dir=outputs/digits_test$",
      succeeds(*TINY), False),
     (r"python -m ddpexp eval outputs/digits_test --split test$", scores_the_test_split, False),
     (r"python -m ddpexp optimizer\.lr=1e30 checkpoint_every_n_steps=1$",

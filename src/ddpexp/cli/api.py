@@ -41,12 +41,14 @@ def run(
     has one saying so; None for a job that left none), Interrupted when a signal stopped the job after its checkpoint.
     """
     from ddpexp.exceptions import ConfigError
+    from ddpexp.parent.compat import with_declared_keys
     from ddpexp.parent.outside import with_outside_launcher
     from ddpexp.parent.wait import wait_deferred  # Hydra: imported on first call, not with ddpexp
 
     if isinstance(overrides, (str, bytes)):
         raise ConfigError(f"overrides={overrides!r}: must be a list of KEY=VALUE strings, not one string")
     overrides = with_outside_launcher([str(o) for o in overrides])  # started by torchrun, srun...: launcher=env
+    overrides = with_declared_keys(overrides)  # +data.test_fraction=F from before it was declared
     conf = project.config_dir(None if config_dir is None else os.fspath(config_dir))
     argv = ["-m"] * multirun + ["--config-dir", conf] * (conf is not None) + overrides
     cmd = Command(argv=argv, keep_error=True)  # the call's state, for its whole lifetime

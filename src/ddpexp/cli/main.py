@@ -28,6 +28,7 @@ def main() -> None:
     from ddpexp.cli.command import task_function
     from ddpexp.cli.errors import report
     from ddpexp.parent.command import Command
+    from ddpexp.parent.compat import with_declared_keys
     from ddpexp.parent.outside import with_outside_launcher
     from ddpexp.parent.schema import register_configs
     from ddpexp.parent.wait import wait_deferred
@@ -37,6 +38,7 @@ def main() -> None:
     if conf is not None and given is None:  # ./conf: as if given, so the resume and plan lines carry it
         sys.argv[1:1] = ["--config-dir", conf]
     sys.argv[1:] = with_outside_launcher(sys.argv[1:])  # started by torchrun, srun...: launcher=env
+    sys.argv[1:] = with_declared_keys(sys.argv[1:])  # +data.test_fraction=F from before it was declared
     register_configs()
     cmd = Command(argv=sys.argv[1:])  # the command's state, for its whole lifetime
     with hydra_patches.installed(cmd, cli=True), project.on_path(conf):

@@ -105,7 +105,7 @@ def evaluate(run_dir: str, checkpoint: str, split: str, overrides: Sequence[str]
         if getattr(instantiate(cfg.data), split, None) is None:
             raise ConfigError(
                 f"--split {split}: the run's data ({cfg.data['_target_']}) has no {split} split"
-                + (" (the built-in sets carve one with +data.test_fraction=0.1)" if split == "test" else "")
+                + (" (the built-in sets carve one with data.test_fraction=0.1)" if split == "test" else "")
             )
     label = checkpoint if checkpoint in CHECKPOINTS else os.path.splitext(os.path.basename(path))[0]
     request = eval_worker.Request(path, split, new_record(run_dir, label, split))

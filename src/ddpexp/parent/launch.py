@@ -25,6 +25,7 @@ from ddpexp.job import Job
 from ddpexp.launchers.base import Handle
 from ddpexp.parent import check, parallel
 from ddpexp.parent.command import Command
+from ddpexp.parent.compat import drop_untaken
 from ddpexp.parent.objective import needs_each_value, stated_mode
 from ddpexp.parent.plan import render as render_plan
 from ddpexp.parent.resume_decision import check_resume, config_sha256
@@ -180,6 +181,7 @@ def every_job_checked_first(
 
 def to_config(dcfg: DictConfig) -> Config:
     """Resolve ${...} and run every __post_init__ check, here in the parent before anything starts."""
+    drop_untaken(dcfg)  # a key declared since, that a user's _target_ does not take
     try:
         cfg = OmegaConf.to_object(dcfg)
     except OmegaConfBaseException as e:

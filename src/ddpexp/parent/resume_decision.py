@@ -17,6 +17,7 @@ from ddpexp.exceptions import ConfigError
 from ddpexp.job import Job, read_json
 from ddpexp.parent import sweep
 from ddpexp.parent.command import Command
+from ddpexp.parent.compat import same_hydra_configs, same_run_configs
 
 
 def check_resume(cfg: Config, job: Job, cmd: Command) -> float | None:
@@ -51,7 +52,7 @@ def check_resume(cfg: Config, job: Job, cmd: Command) -> float | None:
             "set resume_allow_config_change=true to resume anyway, or resume=never in a new dir"
         )
     summary = read_json(job.summary_path) or {}
-    if own is not None and summary.get("status") == "completed" and saved == job.config_yaml:
+    if own is not None and summary.get("status") == "completed" and saved in same_run_configs(job.config_yaml):
         value = summary.get("final", {}).get(cfg.objective)
         print(f"ddpexp: {job.dir} already completed ({cfg.objective}={value}); nothing to do")
         return value
@@ -110,8 +111,12 @@ def earlier_record(cfg: Config, job: Job, cmd: Command) -> float | None:
     # Killed before any summary: Hydra's record of the earlier attempt (.hydra/config.yaml) says which config ran.
     hydra_dir = os.path.join(job.dir, str(HydraConfig.get().output_subdir))
     earlier = cmd.earlier_hydra.get(job.dir, {}).get("config.yaml")
-    same_hydra = earlier is not None and earlier == sweep.read_files(hydra_dir).get("config.yaml")
-    if recorded != {job.config_sha256} and not (not recorded and same_hydra):
+    now = sweep.read_files(hydra_dir).get("config.yaml")
+    same_hydra = (
+        earlier is not None and now is not None and (earlier == now or _text(earlier) in same_hydra_configs(now))
+    )
+    same_run = {config_sha256(form) for form in same_run_configs(job.config_yaml)}  # an older release's form too
+    if not (recorded and recorded <= same_run) and not (not recorded and same_hydra):
         raise ConfigError(
             f"{job.dir} holds the record of another run (summary.json, metrics.jsonl) and no checkpoint to resume; "
             "use another hydra.run.dir"
@@ -121,6 +126,10 @@ def earlier_record(cfg: Config, job: Job, cmd: Command) -> float | None:
         print(f"ddpexp: {job.dir} already completed ({cfg.objective}={value}); nothing to do")
         return value
     return None
+
+
+def _text(data: str | bytes) -> str:
+    return data.decode(errors="replace") if isinstance(data, bytes) else data
 
 
 def config_sha256(config_yaml: str) -> str:

@@ -12,6 +12,8 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from ddpexp.parent.compat import same_hydra_configs
+
 
 def job_dir_of(config: DictConfig, job_dir_key: str, job_subdir_key: str | None) -> str:
     """The absolute job dir `run_job` will use (as HydraConfig's runtime.output_dir)."""
@@ -64,7 +66,7 @@ def completed_job(config: DictConfig, job_dir: str) -> Any:
     overrides = OmegaConf.to_container(config.hydra.overrides.task)
     try:
         with open(os.path.join(job_dir, ".hydra", "config.yaml")) as f:
-            same_config = f.read() == OmegaConf.to_yaml(task_cfg)
+            same_config = f.read() in same_hydra_configs(task_cfg)  # an older release's form too
         with open(os.path.join(job_dir, ".hydra", "overrides.yaml")) as f:
             same_overrides = yaml.safe_load(f) == overrides
     except FileNotFoundError:

@@ -58,9 +58,9 @@ class Splits:
         raise AttributeError(f"Splits has no {name!r} (its facts: {', '.join(facts) or 'none'})")
 
 
-def digits(val_fraction: float = 0.2, seed: int = 0, test_fraction: float = 0.0) -> Splits:
+def digits(val_fraction: float = 0.2, seed: int = 0, test_fraction: float | None = None) -> Splits:
     """scikit-learn's real 8x8 handwritten digits (1797 images): the offline default. test_fraction > 0 carves a
-    test split too (see _carve)."""
+    test split too (see _carve); None or 0: none."""
     import torch
 
     images, target = _digits_arrays()
@@ -72,14 +72,14 @@ def digits(val_fraction: float = 0.2, seed: int = 0, test_fraction: float = 0.0)
                   num_classes=10, in_channels=1, image_size=8)  # fmt: skip
 
 
-def _carve(n: int, val_fraction: float, test_fraction: float, seed: int) -> tuple[Any, Any, Any]:
+def _carve(n: int, val_fraction: float, test_fraction: float | None, seed: int) -> tuple[Any, Any, Any]:
     """Disjoint (train, val, test) indices of one seeded permutation: val its first round(n * val_fraction), test
-    the next round(n * test_fraction), train the rest. With test_fraction 0 train and val are exactly those of
+    the next round(n * test_fraction), train the rest. With test_fraction None or 0 train and val are exactly those of
     the versions before test splits existed, so earlier runs resume and compare unchanged."""
     import torch
 
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    n_val, n_test = round(n * val_fraction), round(n * test_fraction)
+    n_val, n_test = round(n * val_fraction), round(n * (test_fraction or 0))
     return perm[n_val + n_test :], perm[:n_val], perm[n_val : n_val + n_test]
 
 
@@ -183,7 +183,7 @@ def fake(
     return Splits(train, val, num_classes=num_classes, in_channels=in_channels, image_size=image_size)
 
 
-def diabetes(val_fraction: float = 0.2, seed: int = 0, test_fraction: float = 0.0) -> Splits:
+def diabetes(val_fraction: float = 0.2, seed: int = 0, test_fraction: float | None = None) -> Splits:
     """scikit-learn's diabetes data: 442 patients, 10 features, a measure of disease progression one year later.
     Real regression data, offline. Features and target are standardized with the train split's mean and std, so
     predicting the mean scores val/mse of about 1 and val/r2 of about 0. test_fraction > 0: a test split (_carve)."""
@@ -206,13 +206,13 @@ VOCAB = "\t\n" + "".join(chr(c) for c in range(32, 127))
 
 
 def stdlib_text(
-    block_size: int = 64, max_chars: int = 300_000, val_fraction: float = 0.1, test_fraction: float = 0.0
+    block_size: int = 64, max_chars: int = 300_000, val_fraction: float = 0.1, test_fraction: float | None = None
 ) -> Splits:
     """Character-level text that every Python install has: the standard library's own source (the .py files
     beside the `os` module, by name, up to max_chars characters; so it depends on the Python version). Samples
     are non-overlapping windows of block_size characters, targets the same windows shifted by one character;
     the last val_fraction of the windows (the end of the text) is the val set; test_fraction > 0 takes that many
-    windows from the very end as a test set, after the val set."""
+    windows from the very end as a test set, after the val set (None or 0: no test set)."""
     import numpy as np
     import torch
 
@@ -228,7 +228,7 @@ def stdlib_text(
     ids = torch.from_numpy(np.where(codes < 128, table[np.minimum(codes, 127)], len(VOCAB)))
     windows = (len(ids) - 1) // block_size
     x, y = (ids[o : o + windows * block_size].view(windows, block_size) for o in (0, 1))
-    n_val, n_test = round(windows * val_fraction), round(windows * test_fraction)
+    n_val, n_test = round(windows * val_fraction), round(windows * (test_fraction or 0))
     if not (0 < n_val and n_val + n_test < windows):
         raise ConfigError(
             f"data: {len(ids)} characters make {windows} windows of block_size={block_size}; val_fraction="
@@ -284,7 +284,7 @@ def example(data_cfg: dict) -> tuple[dict[str, Any], Callable[[int], Any]] | Non
         _check_int(kwargs, "crop_padding", 0, "(0: no random crop)")
     if factory in (digits, diabetes):
         total, what = (DIGITS, "digits") if factory is digits else (DIABETES, "patients")
-        fraction, test = kwargs["val_fraction"], kwargs["test_fraction"]
+        fraction, test = kwargs["val_fraction"], kwargs["test_fraction"] or 0  # null: no test split
         n_val = round(total * fraction) if isinstance(fraction, (int, float)) else 0
         if not 0 < n_val < total:
             raise ConfigError(f"data.val_fraction={fraction!r}: must leave >= 1 of the {total} {what} to each split")
@@ -298,7 +298,7 @@ def example(data_cfg: dict) -> tuple[dict[str, Any], Callable[[int], Any]] | Non
         fraction = kwargs["val_fraction"]
         if not (isinstance(fraction, (int, float)) and 0 < fraction < 1):
             raise ConfigError(f"data.val_fraction={fraction!r}: must be > 0 and < 1")
-        test = kwargs["test_fraction"]
+        test = kwargs["test_fraction"] or 0  # null: no test split
         if not (isinstance(test, (int, float)) and 0 <= test < 1 - fraction):
             raise ConfigError(f"data.test_fraction={test!r}: must be >= 0 and < 1 - val_fraction")
         t = kwargs["block_size"]
