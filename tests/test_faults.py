@@ -10,6 +10,8 @@ import os
 import re
 import shlex
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from conftest import (
     start,
     wait_for_step,
 )
+from ddpexp.job import remove_partial
 from wandb_offline import find_offline_runs, read_offline_run
 
 pytestmark = pytest.mark.slow
@@ -99,6 +102,46 @@ def test_torchrun_restart_after_a_sigkilled_rank_ends_bit_equal(tmp_path: Path, 
     assert summary["status"] == "completed" and summary["restarts"] == 1
     assert summary["resumed_from"]["step"] == 15  # lost: 2 steps, less than one checkpoint interval
     assert_same_run(job, reference)
+
+
+def test_a_rank_killed_midway_through_a_save_leaves_no_partial_file(tmp_path: Path, reference: Path) -> None:
+    """Rank 0 SIGKILLed once step-15.pt's bytes are written, before its rename: the restart starts from step 10
+    (the previous checkpoint stays the latest), removes the partial file in one log line, and ends bit-equal."""
+    job = tmp_path / "job"
+    proc = run_ddpexp(
+        "launcher=torchrun", "launcher.max_restarts=1", *COMMON, "debug.kill_in_save_at_step=15",
+        f"hydra.run.dir={job}", cwd=tmp_path, timeout=180,
+    )  # fmt: skip
+    summary = read_summary(job)
+    assert summary["status"] == "completed" and summary["restarts"] == 1
+    assert summary["resumed_from"]["step"] == 10  # the checkpoint before the cut-short step 15
+    removed = re.findall(
+        r"removed 1 partial file\(s\) of writes cut short: checkpoints/step-00000015\.pt\.tmp\.\d+", proc.stdout
+    )
+    assert len(removed) == 1, proc.stdout
+    kept = sorted(p.name for p in (job / "checkpoints").iterdir())
+    newest = [f"step-{s:08d}.pt" for s in (20, 24)]  # keep_last_checkpoints=2
+    assert kept == sorted([*newest, "best.pt", "last.pt", "latest"]), kept
+    assert_same_run(job, reference)
+
+
+def test_a_live_writers_partial_file_is_kept(tmp_path: Path) -> None:
+    """remove_partial takes only files whose writer is gone: a live pid's stays, this process's own goes (it
+    writes none between saves), and other files are never touched."""
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        names = [f"step-1.pt.tmp.{writer.pid}", f"step-2.pt.tmp.{gone.pid}", f"summary.json.tmp.{os.getpid()}",
+                 "step-3.pt", "notes.tmp.txt", "a.tmp.12x"]  # fmt: skip
+        for name in names:
+            (tmp_path / name).write_text("x")
+        removed = remove_partial([str(tmp_path), str(tmp_path / "missing")])
+        assert sorted(removed) == sorted(str(tmp_path / n) for n in names[1:3])
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names[0], *names[3:]])
+    finally:
+        writer.kill()
+        writer.wait()
 
 
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun"])

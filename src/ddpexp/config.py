@@ -122,6 +122,7 @@ class DebugConfig:
     fail_at_step: int | None = None  # raise on `fail_rank` after this optimizer step
     kill_at_step: int | None = None  # SIGKILL `fail_rank` after this step (not in a resumed run)
     hang_at_step: int | None = None  # `fail_rank` sleeps forever after this step (not in a resumed run)
+    kill_in_save_at_step: int | None = None  # SIGKILL rank 0 midway through writing this step's checkpoint (idem)
     fail_rank: int = 0
     step_delay_s: float = 0.0  # sleep after every step: makes a short run long enough to signal in tests
 

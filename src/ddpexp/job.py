@@ -1,6 +1,7 @@
 """What a launcher and the worker know of the job: its directory, its name in a sweep, the resolved config, and
 what the launcher tells the ranks about itself (restarts, a requeue hook, facts for the run record); the strict
-JSON and folder helpers every layer's records use; the job dir's lock; how a finished process ends (end_process)."""
+JSON and folder helpers every layer's records use; the job dir's lock; partial files of cut-short writes
+(remove_partial); how a finished process ends (end_process)."""
 
 from __future__ import annotations
 
@@ -170,6 +171,33 @@ def _alive(holder: dict[str, Any], host: str) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return True
+
+
+def remove_partial(folders: list[str]) -> list[str]:
+    """Remove the partial files of atomic writes cut short (`NAME.tmp.PID`: write_json, checkpoint saves) in
+    `folders` whose writer is gone: its pid no longer runs on this host (a writer killed midway, an earlier attempt
+    of this job; this very process holds none between writes). A live writer's file is left alone. Called at a
+    job's start, with the job dir's lock held (no other command writes there); returns what it removed."""
+    import re
+    import socket
+
+    host, removed = socket.gethostname(), []
+    for folder in folders:
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError:  # not made yet
+            continue
+        for name in names:
+            match = re.fullmatch(r".+\.tmp\.(\d+)", name)
+            path = os.path.join(folder, name)
+            if match is None or not os.path.isfile(path) or _alive({"pid": int(match.group(1)), "host": host}, host):
+                continue
+            try:
+                os.remove(path)
+            except FileNotFoundError:  # its writer finished (renamed it) after all
+                continue
+            removed.append(path)
+    return removed
 
 
 def end_process(code: int) -> NoReturn:

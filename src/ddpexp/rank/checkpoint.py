@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import os
 import random
+from collections.abc import Callable
 from typing import Any
 
 from ddpexp.exceptions import CheckpointError
@@ -53,23 +54,28 @@ def set_rng_state(state: dict[str, Any]) -> None:
             torch.cuda.set_rng_state(cuda)
 
 
-def _write_atomic(path: str, write: Any) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
+def _write_atomic(path: str, write: Any, midway: Callable[[], None] | None = None) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"  # a writer killed before the rename leaves this: job.remove_partial
     with open(tmp, "wb") as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())
+    if midway is not None:
+        midway()
     os.replace(tmp, path)
 
 
-def save(state: dict[str, Any], ckpt_dir: str, step: int, keep_last: int) -> str:
-    """Write step-N.pt (temp file, fsync, rename), point last.pt and the marker at it, drop the oldest."""
+def save(
+    state: dict[str, Any], ckpt_dir: str, step: int, keep_last: int, midway: Callable[[], None] | None = None
+) -> str:
+    """Write step-N.pt (temp file, fsync, rename), point last.pt and the marker at it, drop the oldest. `midway`
+    runs between the write and the rename (a test's fault)."""
     import torch
 
     os.makedirs(ckpt_dir, exist_ok=True)
     name = f"step-{step:08d}.pt"
     path = os.path.join(ckpt_dir, name)
-    _write_atomic(path, lambda f: torch.save(state, f))
+    _write_atomic(path, lambda f: torch.save(state, f), midway)
     tmp_link = os.path.join(ckpt_dir, f"last.pt.tmp.{os.getpid()}")
     if os.path.lexists(tmp_link):
         os.remove(tmp_link)

@@ -1,4 +1,5 @@
-"""Test-only faults (`debug.*`): a rank that raises, is killed or hangs after a given step; a slowed-down step."""
+"""Test-only faults (`debug.*`): a rank that raises, is killed or hangs after a given step, rank 0 killed while it
+writes a checkpoint; a slowed-down step."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -14,6 +16,13 @@ class DebugFaults:
 
     def __init__(self, cfg: Any, rank: int, resumed: bool):
         self.cfg, self.mine, self.resumed = cfg, rank == cfg.fail_rank, resumed
+
+    def in_save(self, step: int) -> Callable[[], None] | None:
+        """What rank 0 runs midway through writing step `step`'s checkpoint (its bytes written, not yet renamed):
+        SIGKILL with debug.kill_in_save_at_step=step."""
+        if self.cfg.kill_in_save_at_step == step and not self.resumed:
+            return lambda: os.kill(os.getpid(), signal.SIGKILL)
+        return None
 
     def after_step(self, step: int) -> None:
         if self.cfg.step_delay_s:

@@ -5,6 +5,7 @@ early stopping's count, the config and the W&B run id; and, at start, the choice
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +48,10 @@ class Checkpointer:
 
     def save(
         self, position: Position, pending_loss: torch.Tensor, final: dict[str, float], best: dict[str, Any],
-        as_best: bool = False,
+        as_best: bool = False, midway: Callable[[], None] | None = None,
     ) -> str:  # fmt: skip
-        """The next step-N.pt (rotated), or with `as_best` best.pt (kept). Returns its path on rank 0, else ''."""
+        """The next step-N.pt (rotated), or with `as_best` best.pt (kept). Returns its path on rank 0, else ''.
+        `midway`: run once step-N.pt's bytes are written, before it is renamed (a test's fault)."""
         per_rank = distributed.all_gather((checkpoint.rng_state(), pending_loss.detach().cpu().clone()))
         if dist.get_rank() != 0:
             return ""
@@ -73,7 +75,7 @@ class Checkpointer:
         }
         if as_best:
             return checkpoint.save_best(state, self.job.checkpoint_dir)
-        return checkpoint.save(state, self.job.checkpoint_dir, position.step, self.cfg.keep_last_checkpoints)
+        return checkpoint.save(state, self.job.checkpoint_dir, position.step, self.cfg.keep_last_checkpoints, midway)
 
 
 def load(cfg: Config, job: Job) -> Resumed | None:

@@ -135,7 +135,8 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
 
     def save(position: Position, as_best: bool = False) -> str:
         meter.check_finite(cfg, job, position.step)  # never a checkpoint of weights that a NaN step has spoilt
-        return checkpointer.save(position, meter.loss, final, best.state(), as_best)
+        midway = None if as_best else debug.in_save(position.step)
+        return checkpointer.save(position, meter.loss, final, best.state(), as_best, midway)
 
     # Epochs of optimizer steps.
     step, first_step_at, scored, stopped_early = pos.step, None, None, False

@@ -22,7 +22,7 @@ import torch
 
 from ddpexp.config import Config
 from ddpexp.exceptions import ConfigError, NonFinite, Stopped
-from ddpexp.job import Job, write_json
+from ddpexp.job import Job, remove_partial, write_json
 from ddpexp.rank import distributed, resume, speed
 from ddpexp.rank.signals import StopSignals
 from ddpexp.rank.tracking import NullTracker, Tracker
@@ -52,6 +52,7 @@ def main(cfg: Config, job: Job) -> str:
         hosts = distributed.all_gather((socket.gethostname(), config_sha256, _affinity()))
         resumed = resume.load(cfg, job)
         if rank == 0:  # resume=PATH starts a new record and W&B run; the job's own checkpoint continues its own
+            _remove_partial(job)
             own = resumed if resumed is not None and resumed.own else None
             tracker = Tracker(
                 job, cfg.wandb, _config_dict(job), cfg.progress_bar,
@@ -116,6 +117,15 @@ def device_for(cfg: Config, local_rank: int) -> torch.device:
     torch.cuda.set_device(local_rank)
     torch.backends.cudnn.benchmark = True
     return torch.device("cuda", local_rank)
+
+
+def _remove_partial(job: Job) -> None:
+    """Before this attempt writes anything: the partial files that saves and records cut short left (a rank
+    killed mid-save), each one checkpoint's size of disk that nothing else would ever free."""
+    removed = remove_partial([job.checkpoint_dir, job.dir, os.path.join(job.dir, "eval")])
+    if removed:
+        names = ", ".join(os.path.relpath(p, job.dir) for p in removed)
+        log.warning("removed %d partial file(s) of writes cut short: %s", len(removed), names)
 
 
 def _setup_logging(job: Job, rank: int) -> list[logging.Handler]:
