@@ -71,6 +71,29 @@ def test_two_nodes_make_world_size_four(tmp_path: Path, slurm: dict[str, str]) -
     assert summary["slurm"]["job_nodelist"] == "node[1-2]" and summary["slurm"]["ntasks"] == "4"
 
 
+def test_a_task_killed_by_a_signal_is_the_error_not_its_peers_echo(tmp_path: Path, slurm: dict[str, str]) -> None:
+    """Rank 1 SIGKILLed (the OOM killer's way): rank 0's gloo error ("Connection reset by peer") is an echo of its
+    going, and was the one reported; srun's own line says which task a signal ended."""
+    proc = run_ddpexp(*SLURM, "max_steps=4", "log_every_n_steps=2", "wandb.mode=disabled", "debug.kill_at_step=2",
+                      "debug.fail_rank=1", "hydra.run.dir=job", cwd=tmp_path, env=slurm, timeout=180, check=False)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1] == "ddpexp: error: rank 1 failed: its process died (SIGKILL)"
+    assert read_summary(tmp_path / "job")["error"] == "rank 1 failed: its process died (SIGKILL)"
+    assert re.search(r"ended FAILED; logs in ", proc.stdout), proc.stdout
+
+
+def test_srun_lines_name_the_task_a_signal_ended() -> None:
+    from ddpexp.launchers.slurm import killed_task
+
+    exited = "srun: error: node1: task 0: Exited with exit code 1\n"
+    assert (
+        str(killed_task(exited + "srun: error: node1: task 1: Killed\n")) == "rank 1 failed: its process died (SIGKILL)"
+    )
+    segv = killed_task("srun: error: node2: tasks 2-3: Segmentation fault (core dumped)")
+    assert segv is not None and segv.died and str(segv) == "rank 2 failed: its process died (SIGSEGV)"
+    assert killed_task(exited) is None and killed_task("") is None
+
+
 def test_sweep_without_waiting_submits_every_job_and_the_cluster_fits_them_at_once(
     tmp_path: Path, slurm: dict[str, str]
 ) -> None:

@@ -249,6 +249,24 @@ def slurm_reason(stderr: str) -> str:
     return errors[0][0] if len(errors) == 1 else f"{errors[0][0]}; {errors[-1][1]}"
 
 
+def killed_task(srun_stderr: str) -> RankFailure | None:
+    """The first task that srun says a signal ended (`srun: error: node1: task 1: Killed`, `tasks 0-1: Segmentation
+    fault (core dumped)`: strsignal's words, in the batch script's stderr) as its rank's failure; None if none."""
+    names = {signal.strsignal(s): s for s in signal.Signals}
+    for m in re.finditer(r"^srun: error: \S+: tasks? (\d+)[\d,\-]*: (.+?)(?: \(core dumped\))?$", srun_stderr, re.M):
+        if m.group(2) in names:
+            return RankFailure.by_signal(int(m.group(1)), names[m.group(2)])
+    return None
+
+
+def _read(path: Any) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 class Waiter:
     """The Handle of a submitted job: `wait` follows it, printing rank 0's new log lines, then raises RankFailure
     if any task failed. With launcher.wait=false it returns at once: the job goes on in Slurm's hands."""
@@ -274,6 +292,9 @@ class Waiter:
         except Exception as e:  # submitit: FailedJobError / UncompletedJobError with the task's trace
             state = self.sjob.get_info().get("State", self.sjob.state)
             print(f"ddpexp: Slurm job {self.sjob.job_id} ended {state}; logs in {self.sjob.paths.folder}", flush=True)
+            killed = killed_task(_read(self.sjob.paths.stderr))  # its peers' errors are echoes of its going
+            if killed is not None:
+                raise killed from None
             raise RankFailure(f"task of Slurm job {self.sjob.job_id} ({state})", tail(str(e), 30)) from None
 
     def _scancel(self, *args: str) -> None:
