@@ -113,15 +113,15 @@ def _record_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., A
             done = completed_job(config, job_dir)
             if done is not None:
                 return done
-        if not leader:  # Hydra makes the dir here too: an empty one it made is taken away (plan=true, a refusal)
-            existed = os.path.isdir(job_dir)
-            try:
+        if not leader:  # Hydra makes the dir here too: left empty (plan=true, a refusal), it is taken away, even
+            try:  # one rank 0 made (its plan may end first and remove its own record before Hydra made it again)
                 return original(**kwargs)
             finally:
-                if not existed:
-                    with contextlib.suppress(OSError):
-                        os.rmdir(job_dir)
-        existed = os.path.exists(job_dir)
+                with contextlib.suppress(OSError):  # only an empty dir goes
+                    os.rmdir(job_dir)
+        # An empty dir is no one's work: under launcher=env another rank's Hydra may have just made it (rank 1
+        # first, then a plan here would leave rank 0's .hydra/ record behind in it).
+        existed = os.path.exists(job_dir) and not (os.path.isdir(job_dir) and not os.listdir(job_dir))
         lock = take_lock(job_dir)  # before Hydra writes: a running job's dir is refused untouched
         if config.hydra.output_subdir is None:
             try:
