@@ -121,7 +121,7 @@ def _record_guard(cmd: Command, original: Callable[..., Any]) -> Callable[..., A
                     os.rmdir(job_dir)
         # An empty dir is no one's work: under launcher=env another rank's Hydra may have just made it (rank 1
         # first, then a plan here would leave rank 0's .hydra/ record behind in it).
-        existed = os.path.exists(job_dir) and not (os.path.isdir(job_dir) and not os.listdir(job_dir))
+        existed = os.path.isfile(job_dir) or (os.path.isdir(job_dir) and bool(os.listdir(job_dir)))
         lock = take_lock(job_dir)  # before Hydra writes: a running job's dir is refused untouched
         if config.hydra.output_subdir is None:
             try:
