@@ -210,9 +210,12 @@ import json, os, signal, sys, time
 from ddpexp.config import WandbConfig
 from ddpexp.job import Job
 from ddpexp.rank.tracking import Tracker
+from ddpexp.trackers.wandb import WandbTrackerConfig
 
 job = Job(dir=sys.argv[1], name="n", group=None, launcher="spawn", config_yaml="a: 1\\n")
-tracker = Tracker(job, WandbConfig(mode="offline"), {"a": 1}, progress_bar=False)
+wandb = WandbTrackerConfig()
+wandb.settings = WandbConfig(mode="offline")
+tracker = Tracker(job, {"wandb": wandb}, {"a": 1}, progress_bar=False)
 tracker.log({"train/loss": 1.0}, step=1, epoch=0)
 for pid in os.listdir("/proc"):  # wandb-core, as a job's SIGTERM to all its processes would end it
     if pid.isdigit() and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getpid()):

@@ -100,14 +100,15 @@ ALLOWED = {
     "__main__": {"cli"},
     "public": {"parts"},
     "cli": {"cli", "parent", "report"},
-    "parent": {"parent", "launchers", "rank", "parts"},
+    "parent": {"parent", "launchers", "rank", "parts", "trackers"},
     "launchers": {"launchers"},
-    "rank": {"rank", "parts"},
+    "trackers": {"trackers"},
+    "rank": {"rank", "parts", "trackers"},
     "parts": {"parts"},
     "report": {"report"},
     "shared": {"shared"},
     "bench": {"bench", "rank", "parts"},
-    "testing": {"cli", "launchers"},
+    "testing": {"cli", "launchers", "trackers"},
 }
 
 

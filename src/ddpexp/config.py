@@ -148,7 +148,8 @@ class Config:
     task: Any = MISSING  # {_target_: ..., **kwargs}; loss and metrics (ddpexp.tasks)
     optimizer: Any = MISSING  # {_target_: torch.optim.X, _partial_: true, ...}
     scheduler: Any = None  # {_target_: ..., _partial_: true, ...} or null
-    wandb: WandbConfig = field(default_factory=WandbConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # the W&B tracker's keys
+    tracker: Any = None  # {name: keys} of `tracker=NAME` or `tracker=[A,B]`; typed by ddpexp.trackers; null: W&B
     ddp: DDPConfig = field(default_factory=DDPConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)

@@ -1,6 +1,6 @@
-"""The launcher contract as a pytest suite, for whoever writes a launcher (as Hydra ships its LauncherTestSuite):
-subclass LauncherContract in your tests, name the launcher, and pytest runs the contract on it, each check through
-the real command line, on real ranks. ddpexp's own launchers pass it too (tests/test_launcher_contract.py).
+"""The launcher and tracker contracts as pytest suites (TrackerContract is below). The launcher contract, for
+whoever writes a launcher (as Hydra ships its LauncherTestSuite): subclass LauncherContract in your tests, name the
+launcher, and pytest runs the contract on it, each check through the real command line, on real ranks. ddpexp's own launchers pass it too (tests/test_launcher_contract.py).
 
     from ddpexp.testing import LauncherContract
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -101,3 +102,86 @@ class LauncherContract:
 
     def check_failed(self, proc: subprocess.CompletedProcess[str], job: Path) -> None:
         """More checks of the failed job above, for a launcher's own tests (its scheduler's state, say)."""
+
+
+class TrackerContract:
+    """The tracker contract as a pytest suite, for whoever writes a tracker: subclass it, name the tracker and
+    read its rows back with the tracker's own reader, and pytest runs the contract on it, through the real command
+    line, on 2 real ranks. ddpexp's TensorBoard and MLflow trackers pass it (tests/test_trackers.py).
+
+        from ddpexp.testing import TrackerContract
+
+        class TestCsv(TrackerContract):
+            tracker = "csv"                     # tracker=csv
+            module = "myproject.csvlog"         # the module its _target_ names (with check, start, CsvTrackerConfig)
+            config_dir = "path/to/conf"         # where conf/tracker/csv.yaml is (None: an installed tracker)
+
+            def read_rows(self, job, summary):  # [{"step": s, "key": k, "value": v}, ...], as the tracker holds them
+                ...
+    """
+
+    tracker: str = ""
+    module: str = ""
+    config_dir: str | None = None
+    overrides: tuple[str, ...] = ()
+    timeout_s: float = 240
+    # 6 steps, a row at each and a checkpoint at step 3: the killed run below resumes from there.
+    RUN = ("data=digits", "epochs=1", "max_steps=6", "log_every_n_steps=1", "checkpoint_every_n_steps=3", "gpus=2")
+
+    @pytest.fixture
+    def tracker_env(self) -> dict[str, str]:
+        """Environment variables the tracker needs (a server's address); merged over this process's environment."""
+        return {}
+
+    def read_rows(self, job: Path, summary: dict) -> list[dict]:
+        """Every value the tracker holds for the job, as {"step", "key", "value"}, one per value it keeps."""
+        raise NotImplementedError(f"{type(self).__name__}.read_rows: read the tracker's rows with its own reader")
+
+    def check_one_run(self, job: Path, summary: dict) -> None:
+        """More checks, once the killed job was run again: one run in the tracker, its status (override)."""
+
+    def ddpexp(self, cwd: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "ddpexp", f"tracker={self.tracker}", *self.RUN, *self.overrides, *args]
+        if self.config_dir is not None:
+            command[3:3] = ["--config-dir", str(self.config_dir)]
+        return subprocess.run(
+            command, cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            capture_output=True, text=True, timeout=self.timeout_s,
+        )  # fmt: skip
+
+    def test_the_module_keeps_the_contract(self) -> None:
+        from ddpexp.trackers import load as load_tracker
+        from ddpexp.trackers.base import CONTRACT as TRACKER_CONTRACT
+
+        module, schema = load_tracker(self.tracker, self.module)  # a ConfigError names whatever is missing
+        assert all(callable(getattr(module, name)) for name in TRACKER_CONTRACT)
+        defaults = schema()  # every field has a default, and the defaults pass its own checks
+        assert defaults._target_ == f"{self.module}.start", "NameTrackerConfig._target_ must default to its start"
+        assert defaults.on_error in ("fail", "warn")
+
+    def test_every_row_once_after_a_killed_rank_and_a_rerun(self, tmp_path: Path, tracker_env: dict[str, str]) -> None:
+        """Rank 0 SIGKILLed after step 5 (its tracker never finished; the checkpoint is step 3's), then the same
+        command again: it resumes, and the tracker holds each row of metrics.jsonl once, rank 0's alone."""
+        killed = self.ddpexp(tmp_path, tracker_env, "hydra.run.dir=job", "debug.kill_at_step=5")
+        assert killed.returncode == 1 and "SIGKILL" in killed.stderr, f"{killed.stdout}\n{killed.stderr}"
+        proc = self.ddpexp(tmp_path, tracker_env, "hydra.run.dir=job")
+        assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+        job = tmp_path / "job"
+        summary = json.loads((job / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["resumed_from"]["step"] == 3
+        assert (
+            summary["trackers"] == [self.tracker] and self.tracker in summary and "failed" not in summary[self.tracker]
+        )
+        rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+        expected = sorted(
+            (row["step"], key, value)
+            for row in rows
+            for key, value in row.items()
+            if key != "step" and isinstance(value, (int, float))
+        )  # a step's train and val rows both hold `epoch`: twice at that step
+        held = sorted((r["step"], r["key"], r["value"]) for r in self.read_rows(job, summary))
+        assert [v[:2] for v in held] == [v[:2] for v in expected], "each row of metrics.jsonl once, nothing else"
+        for (step, key, value), (_, _, ours) in zip(expected, held):
+            if not key.endswith("_per_s") or step <= 3:  # throughput after the checkpoint: either attempt's
+                assert math.isclose(ours, value, rel_tol=1e-6, abs_tol=1e-9), (step, key, ours, value)
+        self.check_one_run(job, summary)

@@ -83,7 +83,24 @@ def verdict(error: BaseException, cmd: Any) -> tuple[int, str] | None:
 
 def config_message(error: BaseException) -> str:
     """The one line for bad input: Hydra's and OmegaConf's messages folded, an unknown key with the closest one."""
-    return unknown_key(error) or one_line(error)
+    return unknown_key(error) or missing_option(error) or one_line(error)
+
+
+def missing_option(error: BaseException) -> str | None:
+    """Hydra's "Could not load 'tracker/tensorbord'" for an option in a list (`tracker=[wandb,tensorbord]`) says
+    less than its "Could not find" for one option: the same line, with the group's options, is said for both."""
+    found = re.search(r"In '([^']+)': Could not load '(.+)/([^'/]+)'", str(error))
+    if found is None:
+        return None
+    parent, group, name = found.groups()
+    try:
+        from hydra.core.global_hydra import GlobalHydra
+
+        options = GlobalHydra.instance().config_loader().get_group_options(group)
+    except Exception:  # Hydra no longer set up: its own line
+        return None
+    options = sorted(o for o in options if not o.startswith("base_"))
+    return f"In '{parent}': Could not find '{group}/{name}'. Available options in '{group}': {', '.join(options)}"
 
 
 def report(func: Callable[[], Any], cmd: Any) -> Any:

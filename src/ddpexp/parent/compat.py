@@ -4,6 +4,7 @@ added with `+`: the override still composes, and a config that lacks the key (at
 from __future__ import annotations
 
 import copy
+import itertools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +14,10 @@ import yaml
 # Keys a release declared in ddpexp's own YAMLs, with the default they have there (the value an older config
 # that lacks them ran with). Each must be declared as the last key of its group: `+KEY=V` appended it there, so
 # an older run's config, with the key set, is the same text.
-ADDED_KEYS = {("data", "test_fraction"): None}
+ADDED_KEYS: dict[tuple[str, ...], Any] = {
+    ("data", "test_fraction"): None,
+    ("tracker",): {"wandb": {"_target_": "ddpexp.trackers.wandb.start", "on_error": "warn"}},  # W&B, as before
+}
 
 
 def with_declared_keys(overrides: list[str]) -> list[str]:
@@ -29,20 +33,28 @@ def with_declared_keys(overrides: list[str]) -> list[str]:
 
 
 def older_forms(config: dict[str, Any], dump: Callable[[dict[str, Any]], str]) -> set[str]:
-    """`config` as `dump` writes it, and as a release before ADDED_KEYS wrote it (those keys left out where they
-    hold their default): each is the same run."""
+    """`config` as `dump` writes it, and as releases before ADDED_KEYS wrote it: any of those keys left out where
+    it holds its default (an older release lacked them all, a project's own YAML may lack one): each is the same
+    run."""
+    at_default = [path for path, default in ADDED_KEYS.items() if _get(config, path) == (True, default)]
     forms = {dump(config)}
-    older, dropped = copy.deepcopy(config), False
-    for (*parents, key), default in ADDED_KEYS.items():
-        node: Any = older
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and key in node and node[key] == default:
-            del node[key]
-            dropped = True
-    if dropped:
-        forms.add(dump(older))
+    for n in range(1, len(at_default) + 1):
+        for paths in itertools.combinations(at_default, n):
+            older = copy.deepcopy(config)
+            for *parents, key in paths:
+                del _get(older, tuple(parents))[1][key]
+            forms.add(dump(older))
     return forms
+
+
+def _get(config: dict[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
+    """(found, value) of the dotted `path` in nested dicts."""
+    node: Any = config
+    for part in path:
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
 
 
 def same_run_configs(config_yaml: str) -> set[str]:
@@ -81,6 +93,8 @@ def drop_untaken(dcfg: Any) -> None:
     from omegaconf import open_dict
 
     for (*parents, key), default in ADDED_KEYS.items():
+        if not parents:  # a key of the root: no _target_ takes it
+            continue
         node = dcfg
         for part in parents:
             node = node.get(part) if hasattr(node, "get") else None

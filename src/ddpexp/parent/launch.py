@@ -19,6 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
+from ddpexp import trackers
 from ddpexp.config import Config
 from ddpexp.exceptions import ConfigError, RankFailure
 from ddpexp.job import Job
@@ -57,6 +58,8 @@ def run(dcfg: DictConfig, cmd: Command) -> float | None:
         return done
     data.prepare(cfg.data)
     cmd.warn(check.components(cfg, job.stated_mode))
+    for warning in trackers.check(cfg.tracker, job):  # each can write (or, on_error=warn, is dropped)
+        cmd.warn(warning)
     at_once = in_parallel(cfg, launcher)  # sweep.parallel=N: a child process of this command runs the job
     if at_once:
         parallel.check(cfg, launcher, job.launcher, config)  # type: ignore[arg-type]  # also before a basic sweep
@@ -190,6 +193,9 @@ def to_config(dcfg: DictConfig) -> Config:
         raise
     assert isinstance(cfg, Config)
     cfg.wandb = cfg.wandb.with_environment(os.environ)  # the command's WANDB_* variables, read once, here
+    cfg.tracker = trackers.typed(cfg.tracker)
+    if "wandb" in cfg.tracker:  # W&B's keys are `wandb.*`, where they were before the tracker group
+        cfg.tracker["wandb"].settings = cfg.wandb  # type: ignore[attr-defined]
     unknown = unknown_keys(OmegaConf.to_container(dcfg, resolve=False), type(cfg.launcher))  # type: ignore[arg-type]
     if unknown:  # added with `+`: Hydra takes any key there, and nothing would ever read it
         key = unknown[0]

@@ -12,7 +12,9 @@ def render(cfg: Any, job: Any, launcher: Any) -> str:
         f"ddpexp plan: launcher={job.launcher}, {len(p['ranks'])} rank(s); nothing was started",
         f"  job dir:   {job.dir}",
         f"  W&B:       mode={cfg.wandb.mode} project={cfg.wandb.project} "
-        f"group={cfg.wandb.group or job.group} name={cfg.wandb.name or job.name}",
+        f"group={cfg.wandb.group or job.group} name={cfg.wandb.name or job.name}"
+        + ("" if "wandb" in cfg.tracker else " (not a tracker of this job)"),
+        f"  trackers:  {', '.join(cfg.tracker) or 'none'} (and the run record, metrics.jsonl and summary.json)",
         f"  command:   {p['command']}",
     ]
     for env in p["ranks"]:

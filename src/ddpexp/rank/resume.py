@@ -1,6 +1,6 @@
 """What a run saves to continue exactly, and how it continues: its position (epoch, batches consumed, steps), the
 weights, optimizer, schedule and scaler, every rank's RNG streams and pending loss sum, the best evaluation and
-early stopping's count, the config and the W&B run id; and, at start, the choice of checkpoint."""
+early stopping's count, the config and the trackers' run ids; and, at start, the choice of checkpoint."""
 
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ class Checkpointer:
             "best": best,
             "config": self.job.config_yaml,
             "config_sha256": self.job.config_sha256,
-            "wandb_id": getattr(self.tracker, "wandb_id", None),
+            "trackers": self.tracker.states(),  # each tracker's run to continue (W&B's id, MLflow's run id)
+            "wandb_id": self.tracker.states().get("wandb", {}).get("id"),  # where a release before trackers read it
         }
         if as_best:
             return checkpoint.save_best(state, self.job.checkpoint_dir)

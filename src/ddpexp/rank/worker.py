@@ -55,8 +55,8 @@ def main(cfg: Config, job: Job) -> str:
             _remove_partial(job)
             own = resumed if resumed is not None and resumed.own else None
             tracker = Tracker(
-                job, cfg.wandb, _config_dict(job), cfg.progress_bar,
-                resume_step=own.position.step if own else None, wandb_id=own.state.get("wandb_id") if own else None,
+                job, cfg.tracker, _config_dict(job), cfg.progress_bar,
+                resume_step=own.position.step if own else None, states=_tracker_states(own.state) if own else None,
             )  # fmt: skip
         summary.update(device=str(device), hostnames=sorted({h for h, _, _ in hosts}), **_environment())
         summary["config_sha256_per_rank"] = [c for _, c, _ in hosts]
@@ -104,6 +104,13 @@ def main(cfg: Config, job: Job) -> str:
             h.close()
         logging.getLogger("ddpexp").propagate = True  # the command's own lines, after an in-process rank
     return str(summary["status"])
+
+
+def _tracker_states(state: dict[str, Any]) -> dict[str, Any]:
+    """Each tracker's run to continue, as the checkpoint names it (one from before the tracker group: W&B's id)."""
+    if "trackers" in state:
+        return state["trackers"]
+    return {"wandb": {"id": state.get("wandb_id")}}
 
 
 def _affinity() -> list[int] | None:
