@@ -218,6 +218,23 @@ def started_by(launcher: str) -> Callable[..., None]:
     return check
 
 
+def extras_declared(cmd: Command, work: Path, env: dict[str, str] | None) -> None:
+    """`pip install -e ".[tensorboard,mlflow]"`: those extras exist, and the test extra (installed here) holds
+    what they install, so the suite runs each tracker against the package its extra brings."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    named = re.search(r"\[([\w,]+)\]", cmd.text).group(1).split(",")  # type: ignore[union-attr]
+    assert named == ["tensorboard", "mlflow"] and all(set(extras[n]) <= set(extras["test"]) for n in named)
+
+
+def three_trackers(cmd: Command, work: Path, env: dict[str, str] | None) -> None:
+    succeeds("max_steps=2", "gpus=1", "wandb.mode=offline", "hydra.run.dir=tracked")(cmd, work, env)
+    summary = read_summary(work / "tracked")
+    assert summary["trackers"] == ["wandb", "tensorboard", "mlflow"] and (work / "mlflow.db").is_file(), summary
+    assert summary["mlflow"]["tracking_uri"] == f"sqlite:///{work / 'mlflow.db'}" and summary["mlflow"]["run_id"]
+
+
 # (pattern of the command, what to do, needs the Slurm cluster)
 WAYS: list[tuple[str, Callable[..., None], bool]] = [
     (r"python3 -m venv .* pip install \. && ddpexp$", installs_then_trains, False),
@@ -227,6 +244,8 @@ WAYS: list[tuple[str, Callable[..., None], bool]] = [
     (r"python -m ddpexp -m optimizer\.lr=1e-3,3e-3 model=cnn,resnet18$", succeeds("plan=true"), False),
     (r"python -m ddpexp experiment=mnist_resnet101 data\.download=true$", succeeds("plan=true"), False),
     (r"python -m ddpexp --cfg job$", succeeds(then=lambda w, out: "batch_size: 64" in out or pytest.fail(out)), False),
+    (r"pip install -e \"\.\[tensorboard,mlflow\]\"$", extras_declared, False),
+    (r"python -m ddpexp 'tracker=\[wandb,tensorboard,mlflow\]'$", three_trackers, False),
     (r"python -m ddpexp model=resnet2$", prints_what_readme_shows(exit_code=2), False),
     (r"python -m ddpexp batch_size=0$", prints_what_readme_shows(exit_code=2), False),
     (r"python -m ddpexp \+optimzer\.lr=0\.1$", prints_what_readme_shows(exit_code=2), False),

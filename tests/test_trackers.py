@@ -4,13 +4,14 @@ bad input, one line before any rank starts."""
 
 from __future__ import annotations
 
+import csv
 import signal
 import sqlite3
 from pathlib import Path
 
 import pytest
 
-from conftest import ctrl_c, make_config, read_metrics, read_summary, run_ddpexp, start, wait_for_step
+from conftest import ROOT, ctrl_c, make_config, read_metrics, read_summary, run_ddpexp, start, wait_for_step
 from ddpexp.exceptions import ConfigError
 from ddpexp.testing import TrackerContract
 from wandb_offline import find_offline_runs
@@ -67,6 +68,20 @@ class TestMlflow(TrackerContract):
         run = runs[0]
         assert run.info.status == "FINISHED" and run.data.tags["ddpexp.job_dir"] == str(job)
         assert run.data.params["optimizer.lr"] == "0.001" and run.data.params["model._target_"] == "ddpexp.models.cnn"
+
+
+class TestProjectTracker(TrackerContract):
+    """A tracker in the user's own project (conf/tracker/csv.yaml names myproject.csvlog.start)."""
+
+    tracker, module, config_dir = "csv", "myproject.csvlog", str(ROOT / "examples" / "myproject" / "conf")
+
+    @pytest.fixture(autouse=True)
+    def _importable_here(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.syspath_prepend(str(ROOT / "examples" / "myproject"))
+
+    def read_rows(self, job: Path, summary: dict) -> list[dict]:
+        with open(summary["csv"]["path"], newline="") as f:
+            return [{"step": int(r["step"]), "key": r["key"], "value": float(r["value"])} for r in csv.DictReader(f)]
 
 
 @pytest.mark.timeout(300)

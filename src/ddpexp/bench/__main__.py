@@ -1,5 +1,5 @@
 """python -m ddpexp.bench: A (the tutorial's loop), B (a tight hand-written loop), C (python -m ddpexp), side by side
-(and D, Lightning, with --lightning).
+(and D, Lightning, with --lightning; T, C logging to --trackers, with it).
 
 One run alternates A, B, C (, D) `--repeats` times per world size, on the same model, data (an MNIST-format set at
 --root: real MNIST when its IDX files are there, else synthetic digits written there), batch per rank, seed and
@@ -29,7 +29,7 @@ from typing import Any
 
 from ddpexp.bench.digits import has_mnist, write_mnist_idx
 
-LOOPS = {"A": "tutorial", "B": "tight", "C": "ddpexp", "D": "lightning"}
+LOOPS = {"A": "tutorial", "B": "tight", "C": "ddpexp", "D": "lightning", "T": "ddpexp + trackers"}
 
 
 def free_port() -> int:
@@ -39,7 +39,7 @@ def free_port() -> int:
 
 
 def command(loop: str, args: argparse.Namespace, world_size: int, out: Path) -> list[str]:
-    if loop != "C":
+    if loop not in "CT":
         module = ["ddpexp.bench.lightning_loop"] if loop == "D" else ["ddpexp.bench.loops", LOOPS[loop]]
         return [
             sys.executable, "-m", *module, "--root", str(args.root), "--world-size", str(world_size),
@@ -47,12 +47,17 @@ def command(loop: str, args: argparse.Namespace, world_size: int, out: Path) -> 
             "--seed", str(args.seed), "--port", str(free_port()), "--out", str(out), "--device", args.device,
         ]  # fmt: skip
     exact = ["precision=fp32", "channels_last=false"] if args.exact else []  # else ddpexp's defaults for the device
+    tracked = []  # T: C with --trackers (W&B offline; MLflow's store beside the runs)
+    if loop == "T":
+        tracked = [f"tracker=[{args.trackers}]", f"tracker.mlflow.tracking_uri=sqlite:///{out.parent}/mlflow.db"]
+        tracked = tracked if "mlflow" in args.trackers.split(",") else tracked[:1]
+        tracked += ["wandb.mode=offline"] if "wandb" in args.trackers.split(",") else []
     return [
         sys.executable, "-m", "ddpexp", "launcher=spawn", f"gpus={world_size}", f"device={args.device}", *exact,
         f"model={args.model}", "data=mnist", f"data.root={args.root}", f"batch_size={args.batch}",
         f"max_steps={args.steps}", "epochs=1000", "eval_every_n_epochs=1000", "optimizer=adamw", "scheduler=none",
         f"seed={args.seed}", "wandb.mode=disabled", "progress_bar=false", f"log_every_n_steps={args.warmup}",
-        f"hydra.run.dir={out}",
+        f"hydra.run.dir={out}", *tracked,
     ]  # fmt: skip
 
 
@@ -69,7 +74,7 @@ def run_one(loop: str, args: argparse.Namespace, world_size: int, out: Path) -> 
         if attempt == 2:
             raise SystemExit(failure)
         print(f"{failure}\nbench: running {loop} (world size {world_size}) once more", flush=True)
-    if loop == "C":
+    if loop in "CT":
         summary = json.loads((out / "summary.json").read_text())
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in rows if "samples_per_s" in r and r["step"] > args.warmup]  # the first interval warms up
@@ -127,6 +132,8 @@ def ratios(by_ws: dict[str, Any]) -> dict[str, float]:
         out[f"C / A samples/s, world size {ws}"] = c / a
         if "D" in per:
             out[f"C / D samples/s, world size {ws}"] = c / per["D"]["samples_per_s"]
+        if "T" in per:
+            out[f"T / C samples/s, world size {ws}"] = per["T"]["samples_per_s"] / c
         out[f"C - B first step s, world size {ws}"] = per["C"]["first_step_s"] - per["B"]["first_step_s"]
     if "1" in by_ws and "2" in by_ws:
         out["C world size 2 / C world size 1 samples/s"] = (
@@ -163,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         help="C in fp32 without channels_last, as B (default on cpu; on cuda C runs its fast defaults: bf16 etc.)",
     )
     p.add_argument("--lightning", action="store_true", help="also D: Lightning's ddp_spawn (the bench extra)")
+    p.add_argument("--trackers", default="", help="also T: C with tracker=[THESE], e.g. wandb,tensorboard,mlflow")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
     p.add_argument("--batch", type=int, default=128, help="per rank")
     p.add_argument("--steps", type=int, default=150)
@@ -185,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.lightning and importlib.util.find_spec("lightning") is None:
         p.error("--lightning: Lightning is not installed (pip install -e '.[bench]')")
     loops = "ABCD" if args.lightning else "ABC"
+    if args.trackers:
+        loops += "T"
     if args.device == "cuda":
         import torch
 
