@@ -200,3 +200,34 @@ def test_a_missing_package_is_said_with_its_extra(monkeypatch: pytest.MonkeyPatc
         ):
             module.check(cfg, None)
     assert sqlite3  # the default store's engine ships with Python
+
+
+def test_mlflow_tracking_uri_from_the_environment_and_relative_stores_made_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ddpexp.job import Job
+    from ddpexp.trackers import mlflow
+
+    monkeypatch.chdir(tmp_path)
+    assert mlflow.absolute_uri("sqlite:///mlflow.db") == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert mlflow.absolute_uri("./mlruns") == str(tmp_path / "mlruns")
+    assert mlflow.absolute_uri("file:mlruns") == f"file://{tmp_path / 'mlruns'}"
+    for kept in ("sqlite:////abs/x.db", "http://host:5000", "databricks", "file:///abs/mlruns"):
+        assert mlflow.absolute_uri(kept) == kept
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///from_env.db")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "lab")
+    cfg = mlflow.MlflowTrackerConfig()
+    mlflow.check(cfg, Job(dir=str(tmp_path / "job"), name="n", group=None, launcher="spawn", config_yaml=""))
+    assert cfg.tracking_uri == f"sqlite:///{tmp_path / 'from_env.db'}" and cfg.experiment_name == "lab"
+    assert (tmp_path / "from_env.db").is_file() and cfg.experiment_id is not None
+    set_here = mlflow.MlflowTrackerConfig(tracking_uri=f"sqlite:///{tmp_path / 'set.db'}", experiment_name="mine")
+    mlflow.check(set_here, Job(dir=str(tmp_path / "job"), name="n", group=None, launcher="spawn", config_yaml=""))
+    assert set_here.tracking_uri == f"sqlite:///{tmp_path / 'set.db'}" and set_here.experiment_name == "mine"
+
+
+def test_a_checkpoint_from_before_the_tracker_group_continues_its_wandb_run() -> None:
+    from ddpexp.rank.worker import _tracker_states
+
+    assert _tracker_states({"wandb_id": "abc123", "step": 5}) == {"wandb": {"id": "abc123"}}
+    now = {"trackers": {"wandb": {"id": "x"}, "mlflow": {"run_id": "r"}}, "wandb_id": "x"}
+    assert _tracker_states(now) == {"wandb": {"id": "x"}, "mlflow": {"run_id": "r"}}
