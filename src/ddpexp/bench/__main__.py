@@ -44,7 +44,8 @@ def command(loop: str, args: argparse.Namespace, world_size: int, out: Path) -> 
         return [
             sys.executable, "-m", *module, "--root", str(args.root), "--world-size", str(world_size),
             "--model", args.model, "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--seed", str(args.seed), "--port", str(free_port()), "--out", str(out), "--device", args.device,
+            "--seed", str(args.seed), "--port", str(0 if loop in "AB" else free_port()), "--out", str(out),
+            "--device", args.device,
         ]  # fmt: skip
     exact = ["precision=fp32", "channels_last=false"] if args.exact else []  # else ddpexp's defaults for the device
     tracked = []  # T: C with --trackers (W&B offline; MLflow's store beside the runs)

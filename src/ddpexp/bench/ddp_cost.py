@@ -52,7 +52,7 @@ def _rank(rank: int, args: argparse.Namespace, variant: str, port: int, out: str
     world_size = 1 if variant == "ws1" else args.world_size
     speed.limit_threads(world_size, speed.cpu_quota())
     speed.keep_freed_memory()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     torch.manual_seed(args.seed)
     model = build_model(args.model)
@@ -92,13 +92,15 @@ def _rank(rank: int, args: argparse.Namespace, variant: str, port: int, out: str
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     """One run of a variant: its ranks spawned afresh; rank 0's figures read back."""
     import torch.multiprocessing as mp
-
-    from ddpexp.bench.__main__ import free_port
+    from torch.distributed import TCPStore
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         nprocs = 1 if variant == "ws1" else args.world_size
-        mp.spawn(_rank, args=(args, variant, free_port(), out), nprocs=nprocs)
+        # Bound here before the ranks start (ranks join as clients): a free port that rank 0 bound later was
+        # once taken meanwhile by another process's connection (EADDRINUSE).
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        mp.spawn(_rank, args=(args, variant, store.port, out), nprocs=nprocs)
         with open(out) as f:
             return json.load(f)
 

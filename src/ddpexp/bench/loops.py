@@ -86,6 +86,7 @@ def _rank(rank: int, args: argparse.Namespace) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         torch.set_num_interop_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # the store main() hosts: rank 0 joins it as a client
     cuda = args.device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
@@ -145,7 +146,7 @@ def parse_args(prog: str, description: str, loops: list[str] | None = None) -> a
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--port", type=int, default=0, help="the rendezvous store's port (0: a free one, bound here)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if not 1 <= args.warmup < args.steps:
@@ -155,6 +156,10 @@ def parse_args(prog: str, description: str, loops: list[str] | None = None) -> a
 
 def main() -> None:
     args = parse_args("python -m ddpexp.bench.loops", __doc__.split("\n\n")[0], ["tutorial", "tight"])
+    # The store bound here before the ranks start: a port picked free and bound later by rank 0 can be taken
+    # meanwhile (another job's ephemeral connection), which failed a run with EADDRINUSE.
+    store = dist.TCPStore("127.0.0.1", args.port, is_master=True, wait_for_workers=False)
+    args.port = store.port
     mp.spawn(_rank, args=(args,), nprocs=args.world_size)
 
 
