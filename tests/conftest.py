@@ -163,29 +163,41 @@ def wait_for_step(job: Path, step: int, proc: subprocess.Popen[str], timeout: fl
 
 # The suite runs on 2 xdist workers (pyproject's addopts): most of its time is spent waiting on processes that
 # start, rendezvous, time out or get signalled. A test file runs whole on one worker (its module fixtures once);
-# the files that use the session's Slurm cluster or Ray head run on one worker together, which starts each once.
-CLUSTER_FILES = frozenset(
-    {"test_env_launcher.py", "test_launchers.py", "test_ray.py", "test_readme.py", "test_slurm.py", "test_sweeps.py"}
-)
+# the tests that use the session's Slurm cluster run on one worker together, which starts it once, and so do those
+# that use its Ray head (test_launchers.py's contract classes go with their launcher's files): two scopes, which
+# the workers take first, then the files, so neither worker waits on the other at the end.
+SLURM_FILES = frozenset({"test_env_launcher.py", "test_readme.py", "test_slurm.py", "test_sweeps.py"})
+RAY_FILES = frozenset({"test_ray.py"})
+
+
+def scope_of(nodeid: str) -> str:
+    file, _, rest = nodeid.partition("::")
+    name = Path(file).name
+    if name in SLURM_FILES or (name == "test_launchers.py" and rest.startswith("TestContractSlurm")):
+        return "slurm"
+    if name in RAY_FILES or (name == "test_launchers.py" and rest.startswith("TestContractRay")):
+        return "ray"
+    return file
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
-    class ByFile(LoadScopeScheduling):  # type: ignore[misc]
+    class ByScope(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            file = nodeid.split("::", 1)[0]
-            return "cluster" if Path(file).name in CLUSTER_FILES else file
+            return scope_of(nodeid)
 
-    return ByFile(config, log)
+    return ByScope(config, log)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:  # a second worker must never start a second cluster
-        uses = {"slurm", "ray_head"} & set(getattr(item, "fixturenames", ()))
-        if uses and item.path.name not in CLUSTER_FILES:
-            raise pytest.UsageError(f"{item.nodeid} uses {sorted(uses)}: add {item.path.name} to CLUSTER_FILES")
+        for fixture, scope in (("slurm", "slurm"), ("ray_head", "ray")):
+            if fixture in getattr(item, "fixturenames", ()) and scope_of(item.nodeid) != scope:
+                raise pytest.UsageError(f"{item.nodeid} uses {fixture}: add {item.path.name} to conftest's scope_of")
+    first = {"slurm": 0, "ray": 1}  # the two longest scopes go out first (a stable sort keeps each one's order)
+    items.sort(key=lambda item: first.get(scope_of(item.nodeid), 2))
 
 
 def until(condition: Callable[[], bool], proc: subprocess.Popen[str], timeout: float = 120) -> None:
