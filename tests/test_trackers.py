@@ -86,7 +86,7 @@ class TestProjectTracker(TrackerContract):
 
 @pytest.mark.timeout(300)
 def test_ctrl_c_and_rerun_give_one_mlflow_run_and_no_tensorboard_step_twice(tmp_path: Path) -> None:
-    args = ["tracker=[tensorboard,mlflow]", "gpus=2", "epochs=2", "log_every_n_steps=2", "debug.step_delay_s=0.2",
+    args = ["tracker=[tensorboard,mlflow]", "gpus=1", "epochs=1", "log_every_n_steps=2", "debug.step_delay_s=0.2",
             "hydra.run.dir=job"]  # fmt: skip
     proc = start(args, cwd=tmp_path)
     assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # a Ctrl-C here reaches the command
@@ -146,16 +146,23 @@ def test_a_store_that_does_not_open_is_one_line_before_any_rank_or_a_warning(tmp
     assert proc.stderr.rstrip().endswith("(tracker.mlflow.on_error=warn: go on without it)")
 
     (tmp_path / "file").write_text("")
+    # ...and the job, which fails on purpose after step 2, ends its MLflow run FAILED, each of its rows there.
     proc = run_ddpexp("tracker=[tensorboard,mlflow]", f"tracker.tensorboard.log_dir={tmp_path / 'file' / 'tb'}",
-                      "tracker.tensorboard.on_error=warn", "max_steps=2", "gpus=1", "hydra.run.dir=job",
-                      cwd=tmp_path)  # fmt: skip
+                      "tracker.tensorboard.on_error=warn", "max_steps=4", "log_every_n_steps=1", "gpus=1",
+                      "debug.fail_at_step=2", "hydra.run.dir=job", cwd=tmp_path, check=False)  # fmt: skip
+    assert proc.returncode == 1 and "debug.fail_at_step=2: rank 0 fails on purpose" in proc.stderr, proc.stderr
     assert (
         f"ddpexp: warning: tracker=tensorboard: cannot write its log dir {tmp_path / 'file' / 'tb'}: "
         f"{tmp_path / 'file'} is not a writable directory; going on without it (tracker.tensorboard.on_error=warn)\n"
     ) in proc.stderr
     summary = read_summary(tmp_path / "job")
-    assert summary["status"] == "completed" and summary["trackers"] == ["mlflow"]
-    assert len(mlflow_rows(summary)) == sum(len(r) - 1 for r in read_metrics(tmp_path / "job"))
+    assert summary["status"] == "failed" and summary["trackers"] == ["mlflow"]
+    assert mlflow_client(summary).get_run(summary["mlflow"]["run_id"]).info.status == "FAILED"
+    rows = read_metrics(tmp_path / "job")
+    assert [r["step"] for r in rows] == [1]  # the failure comes after step 2, before its row
+    assert sorted((r["step"], r["key"]) for r in mlflow_rows(summary)) == sorted(
+        (r["step"], k) for r in rows for k in r if k != "step"
+    )
 
 
 def test_tracker_keys_are_checked_in_the_parent() -> None:
