@@ -55,6 +55,7 @@ class Checkpointer:
         per_rank = distributed.all_gather((checkpoint.rng_state(), pending_loss.detach().cpu().clone()))
         if dist.get_rank() != 0:
             return ""
+        trackers = self.tracker.states()
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -71,8 +72,8 @@ class Checkpointer:
             "best": best,
             "config": self.job.config_yaml,
             "config_sha256": self.job.config_sha256,
-            "trackers": self.tracker.states(),  # each tracker's run to continue (W&B's id, MLflow's run id)
-            "wandb_id": self.tracker.states().get("wandb", {}).get("id"),  # where a release before trackers read it
+            "trackers": trackers,  # each tracker's run to continue (W&B's id, MLflow's run id)
+            "wandb_id": trackers.get("wandb", {}).get("id"),  # where a release before trackers read it
         }
         if as_best:
             return checkpoint.save_best(state, self.job.checkpoint_dir)
