@@ -100,10 +100,11 @@ ALLOWED = {
     "__main__": {"cli"},
     "public": {"parts"},
     "cli": {"cli", "parent", "report"},
-    "parent": {"parent", "launchers", "rank", "parts", "trackers"},
+    "parent": {"parent", "launchers", "rank", "parts", "trackers", "strategies"},
     "launchers": {"launchers"},
     "trackers": {"trackers"},
-    "rank": {"rank", "parts", "trackers"},
+    "rank": {"rank", "parts", "trackers", "strategies"},
+    "strategies": set(),  # the strategies' config, torch-free; their rank side is rank/ddp.py, rank/fsdp2.py
     "parts": {"parts"},
     "report": {"report"},
     "shared": {"shared"},

@@ -150,6 +150,7 @@ class Config:
     scheduler: Any = None  # {_target_: ..., _partial_: true, ...} or null
     wandb: WandbConfig = field(default_factory=WandbConfig)  # the W&B tracker's keys
     tracker: Any = None  # {name: keys} of `tracker=NAME` or `tracker=[A,B]`; typed by ddpexp.trackers; null: W&B
+    strategy: Any = None  # `strategy=ddp` or `fsdp2`: a ddpexp.strategies dataclass; null: ddp (before the group)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)

@@ -174,11 +174,13 @@ def _alive(holder: dict[str, Any], host: str) -> bool:
 
 
 def remove_partial(folders: list[str]) -> list[str]:
-    """Remove the partial files of atomic writes cut short (`NAME.tmp.PID`: write_json, checkpoint saves) in
-    `folders` whose writer is gone: its pid no longer runs on this host (a writer killed midway, an earlier attempt
-    of this job; this very process holds none between writes). A live writer's file is left alone. Called at a
-    job's start, with the job dir's lock held (no other command writes there); returns what it removed."""
+    """Remove the partial files of atomic writes cut short (`NAME.tmp.PID`: write_json, checkpoint saves, a sharded
+    checkpoint's folder) in `folders` whose writer is gone: its pid no longer runs on this host (a writer killed
+    midway, an earlier attempt of this job; this very process holds none between writes). A live writer's file is
+    left alone. Called at a job's start, with the job dir's lock held (no other command writes there); returns what
+    it removed."""
     import re
+    import shutil
     import socket
 
     host, removed = socket.gethostname(), []
@@ -190,10 +192,13 @@ def remove_partial(folders: list[str]) -> list[str]:
         for name in names:
             match = re.fullmatch(r".+\.tmp\.(\d+)", name)
             path = os.path.join(folder, name)
-            if match is None or not os.path.isfile(path) or _alive({"pid": int(match.group(1)), "host": host}, host):
+            if match is None or not os.path.lexists(path) or _alive({"pid": int(match.group(1)), "host": host}, host):
                 continue
             try:
-                os.remove(path)
+                if os.path.isdir(path) and not os.path.islink(path):  # a sharded checkpoint's folder
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
             except FileNotFoundError:  # its writer finished (renamed it) after all
                 continue
             removed.append(path)

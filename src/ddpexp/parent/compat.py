@@ -17,6 +17,7 @@ import yaml
 ADDED_KEYS: dict[tuple[str, ...], Any] = {
     ("data", "test_fraction"): None,
     ("tracker",): {"wandb": {"_target_": "ddpexp.trackers.wandb.start", "on_error": "warn"}},  # W&B, as before
+    ("strategy",): {"name": "ddp"},  # DistributedDataParallel, as before
 }
 
 

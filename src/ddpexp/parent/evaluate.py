@@ -29,13 +29,13 @@ def find_checkpoint(run_dir: str, checkpoint: str) -> str:
     if not any(os.path.exists(os.path.join(run_dir, m)) for m in marks):
         raise ConfigError(f"{run_dir}: not a ddpexp run dir (no summary.json, checkpoints/ or .hydra/config.yaml)")
     if checkpoint in CHECKPOINTS:
-        path = os.path.join(run_dir, "checkpoints", f"{checkpoint}.pt")
-        if not os.path.isfile(path):
+        path = os.path.join(run_dir, "checkpoints", f"{checkpoint}.pt")  # a file, or a sharded run's folder
+        if not os.path.exists(path):
             why = "the run recorded no best evaluation" if checkpoint == "best" else "the run wrote no checkpoint"
             raise ConfigError(f"--checkpoint {checkpoint}: {path}: no such checkpoint ({why})")
         return path
     path = os.path.abspath(checkpoint)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ConfigError(f"--checkpoint {checkpoint}: no such file (best, last or a checkpoint's PATH)")
     return path
 
@@ -140,7 +140,8 @@ def new_record(run_dir: str, label: str, split: str) -> str:
 
 def load_model(run_dir: str, checkpoint: str = "best") -> Any:
     """The run's model (its `model._target_`, given the data's facts) with the checkpoint's weights: unwrapped,
-    on the CPU, in eval mode. The data is read only when its facts cannot be told from its config (a user's)."""
+    on the CPU, in eval mode; a sharded run's (strategy=fsdp2) whole, its shards put together. The data is read
+    only when its facts cannot be told from its config (a user's)."""
     import torch
     from hydra.utils import instantiate
 
@@ -148,12 +149,13 @@ def load_model(run_dir: str, checkpoint: str = "best") -> Any:
     from ddpexp.parts.optim import call_accepting
     from ddpexp.rank import checkpoint as checkpoints
 
-    state = checkpoints.load(find_checkpoint(os.path.abspath(run_dir), checkpoint))
+    path = find_checkpoint(os.path.abspath(run_dir), checkpoint)
+    state = checkpoints.load(path)
     config = yaml.safe_load(state["config"])
     with torch.random.fork_rng(devices=[]):  # building draws initial weights: the caller's RNG stays as it was
         torch.manual_seed(config.get("seed", 0))
         known = data.example(config["data"])
         facts = known[0] if known is not None else instantiate(config["data"]).facts
         model = call_accepting(instantiate(config["model"], _partial_=True), **facts)
-    model.load_state_dict(state["model"])
+    checkpoints.model_weights(path, state, model)
     return model.eval()

@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from ddpexp import trackers
+from ddpexp import strategies, trackers
 from ddpexp.config import Config
 from ddpexp.exceptions import ConfigError, RankFailure
 from ddpexp.job import Job
@@ -56,6 +56,7 @@ def run(dcfg: DictConfig, cmd: Command) -> float | None:
     done = check_resume(cfg, job, cmd)
     if done is not None:
         return done
+    strategies.check(cfg)
     data.prepare(cfg.data)
     cmd.warn(check.components(cfg, job.stated_mode))
     for warning in trackers.check(cfg.tracker, job):  # each can write (or, on_error=warn, is dropped)
@@ -152,6 +153,7 @@ def check_job(dcfg: DictConfig) -> str | None:
     config.update(gpus=cfg.gpus, device=cfg.device)  # type: ignore[union-attr]
     warning = parallel.check(cfg, launcher, HydraConfig.get().runtime.choices["launcher"], config)  # type: ignore[arg-type]
     if not cfg.plan:
+        strategies.check(cfg)
         warning = check.components(cfg, stated_mode(HydraConfig.get())) or warning
     return warning
 
@@ -194,6 +196,7 @@ def to_config(dcfg: DictConfig) -> Config:
     assert isinstance(cfg, Config)
     cfg.wandb = cfg.wandb.with_environment(os.environ)  # the command's WANDB_* variables, read once, here
     cfg.tracker = trackers.typed(cfg.tracker)
+    cfg.strategy = strategies.typed(cfg.strategy)
     if "wandb" in cfg.tracker:  # W&B's keys are `wandb.*`, where they were before the tracker group
         cfg.tracker["wandb"].settings = cfg.wandb  # type: ignore[attr-defined]
     unknown = unknown_keys(OmegaConf.to_container(dcfg, resolve=False), type(cfg.launcher))  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ from typing import Any
 
 from ddpexp.config import Config, DDPConfig, DebugConfig, EarlyStopConfig, SweepConfig, WandbConfig
 from ddpexp.launchers import launcher_schemas
+from ddpexp.strategies import SCHEMAS
 
 # Groups whose keys are their _target_'s arguments (checked against its signature by ddpexp.parent.check): `+` adds here.
 FREE = ("model", "data", "task", "optimizer", "scheduler")
@@ -29,6 +30,8 @@ def register_configs() -> None:
 
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
+    for name, schema in SCHEMAS.items():
+        cs.store(group="strategy", name=f"base_{name}", node=schema)
     for name, schema in launcher_schemas().items():
         cs.store(group="launcher", name=f"base_{name}", node=schema)
         if not schema.__module__.startswith("ddpexp.launchers."):  # an installed package's: `launcher=NAME`, no YAML

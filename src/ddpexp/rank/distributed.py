@@ -75,6 +75,15 @@ class StepAgreement:
         return REQUEUE if self.flags[1] else STOP if self.flags[0] else 0
 
 
+def rank() -> int:
+    return dist.get_rank()
+
+
+def barrier() -> None:
+    """Every rank here before any goes on (a tiny all-reduce: gloo's and NCCL's alike)."""
+    dist.all_reduce(torch.zeros(1, device="cuda" if dist.get_backend() == "nccl" else "cpu"))
+
+
 def all_gather(obj: Any) -> list[Any]:
     """Every rank's `obj` (picklable), in rank order."""
     out: list[Any] = [None] * dist.get_world_size()

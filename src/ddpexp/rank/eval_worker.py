@@ -16,8 +16,7 @@ from ddpexp.config import Config
 from ddpexp.job import Job, write_json
 from ddpexp.rank import checkpoint, distributed, speed
 from ddpexp.rank.evaluation import evaluate
-from ddpexp.rank.model import autocast_for, build_model
-from ddpexp.rank.train import seed_everything
+from ddpexp.rank.model import autocast_for, build_model, seed_everything
 from ddpexp.rank.worker import device_for
 
 
@@ -43,7 +42,8 @@ def main(request: Request, cfg: Config, job: Job) -> None:
         splits = instantiate(cfg.data)
         dataset = getattr(splits, request.split)
         task, task_name = instantiate(cfg.task, _convert_="all"), f"task={cfg.task['_target_']}"
-        model, precision, channels_last = build_model(cfg, device, splits, state["model"])
+        model, precision, channels_last = build_model(cfg, device, splits, None)
+        checkpoint.model_weights(request.checkpoint, state, model)  # a sharded run's whole, on every rank
         memory_format = torch.channels_last if channels_last else torch.contiguous_format
         metrics, scored = evaluate(
             task, model, dataset, cfg.batch_size, device, autocast_for(device, precision), memory_format,

@@ -4,8 +4,10 @@ if asked, a checkpoint's weights loaded; and the autocast of its precision."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
+import numpy as np
 import torch
 from hydra.utils import instantiate
 
@@ -30,3 +32,9 @@ def autocast_for(device: torch.device, precision: str) -> Any:
     return torch.autocast(
         device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16, enabled=precision != "fp32"
     )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

@@ -35,16 +35,21 @@ class Resumed:
     path: str
     own: bool  # this job's own checkpoint: its record and W&B run continue (resume=PATH starts new ones)
     position: Position
-    state: dict[str, Any]  # model, optimizer, scheduler, scaler, final, best, wandb_id; this rank's rng and loss_sum
+    state: dict[str, Any]  # model, optimizer (or sharded: the folder's), scheduler, scaler, final, best, trackers;
+    # this rank's rng and loss_sum
 
 
 class Checkpointer:
     """Saves everything an exact resume needs; every rank calls `save` (the RNG states are gathered), rank 0
-    writes the file."""
+    writes the file, or, for a sharded strategy, every rank its shards and rank 0 the rest."""
 
-    def __init__(self, cfg: Config, job: Job, model: Any, optimizer: Any, scheduler: Any, scaler: Any, tracker: Any):
-        self.cfg, self.job, self.tracker = cfg, job, tracker
+    def __init__(
+        self, cfg: Config, job: Job, strategy: Any, model: Any, optimizer: Any, scheduler: Any, scaler: Any,
+        tracker: Any,
+    ) -> None:  # fmt: skip
+        self.cfg, self.job, self.tracker, self.strategy = cfg, job, tracker, strategy
         self.model, self.optimizer, self.scheduler, self.scaler = model, optimizer, scheduler, scaler
+        self.tmp_suffix = str(distributed.broadcast(os.getpid())) if strategy.sharded else ""
 
     def save(
         self, position: Position, pending_loss: torch.Tensor, final: dict[str, float], best: dict[str, Any],
@@ -53,12 +58,16 @@ class Checkpointer:
         """The next step-N.pt (rotated), or with `as_best` best.pt (kept). Returns its path on rank 0, else ''.
         `midway`: run once step-N.pt's bytes are written, before it is renamed (a test's fault)."""
         per_rank = distributed.all_gather((checkpoint.rng_state(), pending_loss.detach().cpu().clone()))
+        shards = self.strategy.shards(self.model, self.optimizer) if self.strategy.sharded else None
         if dist.get_rank() != 0:
+            if shards is not None:
+                checkpoint.save_sharded(None, shards, self.job.checkpoint_dir, None if as_best else position.step,
+                                        self.cfg.keep_last_checkpoints, self.tmp_suffix)  # fmt: skip
             return ""
         trackers = self.tracker.states()
         state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **self.strategy.state(self.model, self.optimizer),  # ddp: the model and optimizer; fsdp2: nothing
+            "strategy": self.cfg.strategy.name,
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "epoch": position.epoch,
@@ -75,6 +84,11 @@ class Checkpointer:
             "trackers": trackers,  # each tracker's run to continue (W&B's id, MLflow's run id)
             "wandb_id": trackers.get("wandb", {}).get("id"),  # where a release before trackers read it
         }
+        if shards is not None:
+            return checkpoint.save_sharded(
+                state, shards, self.job.checkpoint_dir, None if as_best else position.step,
+                self.cfg.keep_last_checkpoints, self.tmp_suffix, None if as_best else midway,
+            )  # fmt: skip
         if as_best:
             return checkpoint.save_best(state, self.job.checkpoint_dir)
         return checkpoint.save(state, self.job.checkpoint_dir, position.step, self.cfg.keep_last_checkpoints, midway)
@@ -111,9 +125,10 @@ def load(cfg: Config, job: Job) -> Resumed | None:
     return Resumed(choice, own, position, state)
 
 
-def restore(resumed: Resumed, optimizer: Any, scheduler: Any, scaler: Any) -> None:
-    """Optimizer, schedule and scaler state (the weights are loaded before DDP wraps the model)."""
-    optimizer.load_state_dict(resumed.state["optimizer"])
+def restore(resumed: Resumed, strategy: Any, model: Any, optimizer: Any, scheduler: Any, scaler: Any) -> None:
+    """Optimizer, schedule and scaler state; the strategy loads the optimizer's (and, sharded, the weights: a
+    ddp run loaded them before DDP wrapped the model)."""
+    strategy.restore(resumed, model, optimizer)
     if scheduler is not None and resumed.state.get("scheduler") is not None:
         scheduler.load_state_dict(resumed.state["scheduler"])
     if scaler.is_enabled() and resumed.state.get("scaler") is not None:

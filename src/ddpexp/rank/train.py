@@ -7,19 +7,15 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import random
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpexp.config import Config
 from ddpexp.exceptions import ConfigError, Stopped
@@ -29,14 +25,18 @@ from ddpexp.parts.optim import build_optimizer, call_accepting
 from ddpexp.parts.tasks import check_loss, directions, objective_mode, samples, to_device
 from ddpexp.rank import checkpoint, distributed
 from ddpexp.rank.best import Best, check_objective
+from ddpexp.rank.ddp import DDPStrategy
 from ddpexp.rank.debug import DebugFaults
 from ddpexp.rank.evaluation import check_metric_names, evaluate
+from ddpexp.rank.fsdp2 import FSDP2
 from ddpexp.rank.meter import Meter, line_due
-from ddpexp.rank.model import autocast_for, build_model
+from ddpexp.rank.model import autocast_for, seed_everything
 from ddpexp.rank.resume import Checkpointer, Position, Resumed, restore
 from ddpexp.rank.signals import REQUEUE
 
 log = logging.getLogger("ddpexp")
+
+STRATEGIES = {"ddp": DDPStrategy, "fsdp2": FSDP2}  # strategy=NAME: how the ranks hold the model (ddpexp.strategies)
 
 
 @dataclass
@@ -46,9 +46,10 @@ class Parts:
     splits: Any
     task: Any
     task_name: str
-    model: torch.nn.Module  # the module itself: evaluation and checkpoints use it
-    ddp: DDP
-    step_model: Any  # what the steps call: DDP, compiled or not
+    model: torch.nn.Module  # the module itself (sharded in place by fsdp2): evaluation and checkpoints use it
+    strategy: Any  # rank/ddp.py or rank/fsdp2.py: wraps the model, syncs and clips gradients, says what a checkpoint holds
+    wrapped: torch.nn.Module  # DDP(model), or the sharded model itself
+    step_model: Any  # what the steps call: the wrapped model, compiled or not
     loader: Any  # the TrainLoader interface: set_epoch(epoch, start_batch), len(), iter()
     n_batches: int | None  # None: an IterableDataset, whose epochs end when the first rank runs dry
     total_steps: int
@@ -61,30 +62,23 @@ class Parts:
     memory_format: Any
 
 
-def build(cfg: Config, device: torch.device, resumed: Resumed | None) -> Parts:
+def build(cfg: Config, job: Job, device: torch.device, resumed: Resumed | None) -> Parts:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     # The same seed on every rank gives identical initial replicas (DDP broadcasts rank 0's weights too).
     seed_everything(cfg.seed)
     splits = instantiate(cfg.data)
     task, task_name = instantiate(cfg.task, _convert_="all"), f"task={cfg.task['_target_']}"
-    weights = resumed.state["model"] if resumed is not None else None
-    model, precision, channels_last = build_model(cfg, device, splits, weights)
+    strategy = STRATEGIES[cfg.strategy.name](cfg.strategy, device)
+    model, precision, channels_last = strategy.build(cfg, splits, resumed)  # with its weights, if resumed
     memory_format = torch.channels_last if channels_last else torch.contiguous_format
-    ddp = DDP(
-        model,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        find_unused_parameters=cfg.ddp.find_unused_parameters,
-        static_graph=cfg.ddp.static_graph,
-        gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
-        bucket_cap_mb=cfg.ddp.bucket_cap_mb,
-    )
+    wrapped = strategy.wrap(model, cfg, precision, job.checkpoint_dir)  # fsdp2: the weights of its shards only
     seed_everything(cfg.seed + rank)  # per-rank streams for anything random from here on (dropout, augmentation)
 
     loader = train_loader(splits, cfg, rank, world_size, device)
     n_batches = _length(loader)
     steps_per_epoch = -(-n_batches // cfg.grad_accum) if n_batches is not None else None
     total_steps = min(cfg.max_steps or sys.maxsize, cfg.epochs * (steps_per_epoch or sys.maxsize))
-    optimizer = build_optimizer(instantiate(cfg.optimizer), ddp.parameters(), device)
+    optimizer = build_optimizer(instantiate(cfg.optimizer), strategy.parameters(), device)
     scheduler = (
         call_accepting(instantiate(cfg.scheduler), optimizer, total_steps=total_steps) if cfg.scheduler else None
     )
@@ -96,14 +90,14 @@ def build(cfg: Config, device: torch.device, resumed: Resumed | None) -> Parts:
     )  # fmt: skip
     if rank == 0:
         warn_about_sizes(_length(splits.train), world_size, cfg.batch_size)
-    step_model = torch.compile(ddp) if cfg.compile else ddp
-    return Parts(splits, task, task_name, model, ddp, step_model, loader, n_batches, total_steps, optimizer,
-                 scheduler, scaler, autocast, precision, channels_last, memory_format)  # fmt: skip
+    step_model = torch.compile(wrapped) if cfg.compile else wrapped
+    return Parts(splits, task, task_name, model, strategy, wrapped, step_model, loader, n_batches, total_steps,
+                 optimizer, scheduler, scaler, autocast, precision, channels_last, memory_format)  # fmt: skip
 
 
 def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Resumed | None, stop: Any) -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    p = build(cfg, device, resumed)
+    p = build(cfg, job, device, resumed)
     task, loader, total_steps, optimizer = p.task, p.loader, p.total_steps, p.optimizer
     # Which way the objective (and each metric) is better, for the record: `ddpexp report` sorts by it. As the
     # parent resolved it, again on the task the ranks built; None (unknown: the parent warned) keeps no best.pt.
@@ -112,12 +106,13 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
         "mode": objective_mode(task, cfg.objective, cfg.objective_mode, job.stated_mode),
     }
     # The task's metric names, on one val batch of each rank: a collision fails before step 1, not an epoch later.
-    check_metric_names(task, p.model, p.splits.val, cfg.batch_size, device, p.autocast, p.memory_format, p.task_name)
+    check_metric_names(task, p.model, p.splits.val, cfg.batch_size, device, p.autocast, p.memory_format, p.task_name,
+                       p.strategy.lockstep)  # fmt: skip
 
     # Restore: the weights are in; now the optimizer, schedule, position, pending loss and (below) RNG streams.
     pos, final = Position(), {}
     if resumed is not None:
-        restore(resumed, optimizer, p.scheduler, p.scaler)
+        restore(resumed, p.strategy, p.model, optimizer, p.scheduler, p.scaler)
         pos, final = resumed.position, dict(resumed.state.get("final", {}))
         log.info(
             "rank %d resumed from %s: step %d, epoch %d, batch %d", rank, resumed.path, pos.step, pos.epoch, pos.batch
@@ -128,7 +123,7 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
     items = getattr(task, "items", "items") if hasattr(task, "count") else None
     meter = Meter(device, pos.last_log_step, items, total_steps, pos.step)
     meter.loss += resumed.state["loss_sum"] if resumed is not None else 0.0
-    checkpointer = Checkpointer(cfg, job, p.model, optimizer, p.scheduler, p.scaler, tracker)
+    checkpointer = Checkpointer(cfg, job, p.strategy, p.model, optimizer, p.scheduler, p.scaler, tracker)
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.dist_timeout_s))
     agreement = distributed.StepAgreement(control, p.n_batches)
     debug = DebugFaults(cfg.debug, rank, resumed=resumed is not None)
@@ -151,7 +146,7 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
         batches = iter(loader)  # draws the loader's base seed from torch's RNG, as the uninterrupted run did
         if resumed is not None and epoch == pos.epoch and skip > 0:
             checkpoint.set_rng_state(resumed.state["rng"])  # after that draw, which it made before the checkpoint
-        p.ddp.train()
+        p.wrapped.train()
         consumed, due = skip, False  # micro-batches of this epoch behind us; a step checkpoint left to its end
         while step < total_steps:
             # One step: its micro-batches on the device, the ranks' agreement (stop? epoch over? how many samples?),
@@ -198,8 +193,9 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
             position = Position(epoch + 1, 0, step, meter.last[1])
         if (epoch + 1) % cfg.eval_every_n_epochs == 0 or last_epoch:
             metrics, scored = evaluate(
-                task, p.model, p.splits.val, cfg.batch_size, device, p.autocast, p.memory_format, p.task_name
-            )
+                task, p.model, p.splits.val, cfg.batch_size, device, p.autocast, p.memory_format, p.task_name,
+                lockstep=p.strategy.lockstep,
+            )  # fmt: skip
             tracker.log(metrics, step, epoch)
             final.update(metrics)
             check_objective(cfg, final)
@@ -226,10 +222,10 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
         result["early_stop"] = best.early_stop_record(cfg.early_stop, step if stopped_early else None)
     result.update(directions=directions(task), val_samples=_length(p.splits.val))
     result.update(val_scored=scored, data_path=type(loader).__name__, precision=p.precision)
-    result.update(channels_last=p.channels_last, ddp_buckets=_bucket_sizes(p.ddp))
+    result.update(channels_last=p.channels_last, **p.strategy.record())
     result["first_step_at"] = first_step_at  # unix time the first optimizer step of this attempt ended
     if cfg.debug.check_replicas:
-        result["replicas"] = distributed.compare_replicas(p.model)
+        result["replicas"] = p.strategy.replicas(p.model)
     return result
 
 
@@ -264,23 +260,17 @@ def optimizer_step(cfg: Config, p: Parts, group: list[Any], divisors: list[Any])
     total = torch.zeros((), device=next(p.model.parameters()).device)
     for j, (batch, divisor) in enumerate(zip(group, divisors)):
         sync = j == len(group) - 1
-        with nullcontext() if sync else p.ddp.no_sync(), p.autocast:
+        with p.strategy.micro_batch(sync), p.autocast:
             loss = check_loss(p.task.loss(p.step_model, batch), p.task_name) / divisor
         p.scaler.scale(loss).backward()
         total += loss.detach()
     if cfg.clip_grad_norm:
         p.scaler.unscale_(p.optimizer)
-        torch.nn.utils.clip_grad_norm_(p.ddp.parameters(), cfg.clip_grad_norm)
+        p.strategy.clip_grad_norm(cfg.clip_grad_norm)
     p.scaler.step(p.optimizer)
     p.scaler.update()
     p.optimizer.zero_grad(set_to_none=True)
     return total
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def _length(obj: Any) -> int | None:
@@ -288,13 +278,3 @@ def _length(obj: Any) -> int | None:
         return len(obj)
     except TypeError:
         return None
-
-
-def _bucket_sizes(ddp: DDP) -> list[int] | None:
-    """DDP's gradient buckets in bytes, in all-reduce order, as rebuilt after the first step (None if unknown)."""
-    try:
-        info = ddp._get_ddp_logging_data()  # private, but the one place DDP tells
-    except (AttributeError, RuntimeError):
-        return None
-    sizes = info.get("rebuilt_bucket_sizes") or info.get("bucket_sizes")
-    return [int(s) for s in str(sizes).split(",")] if sizes else None
