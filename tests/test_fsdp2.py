@@ -19,6 +19,7 @@ from conftest import COMMON, load_weights, read_metrics, read_summary, run_ddpex
 from ddpexp import load_model
 from ddpexp.exceptions import ConfigError
 from ddpexp.parts.gpt import GPT, Block
+from ddpexp.parts.models import resnet
 from ddpexp.rank.fsdp2 import find_units
 from ddpexp.strategies import Fsdp2StrategyConfig, typed
 
@@ -56,6 +57,10 @@ def test_units_are_the_repeated_blocks_or_the_classes_named() -> None:
     ]
     with pytest.raises(ConfigError, match=r"strategy.units: the model has no Bottleneck module \(it has .*Block"):
         find_units(gpt, ["Bottleneck"])
+    with torch.device("meta"):
+        net = resnet(arch="resnet101", num_classes=10, in_channels=1, image_size=28)
+    blocks = find_units(net, "auto")  # each residual block of the four stages
+    assert len(blocks) == 33 and blocks[0][0] == "layer1.0" and {type(m).__name__ for _, m in blocks} == {"Bottleneck"}
 
 
 def test_a_config_from_before_the_group_is_ddp_and_bad_keys_are_one_line() -> None:

@@ -279,6 +279,8 @@ WAYS: list[tuple[str, Callable[..., None], bool]] = [
      succeeds("gpus=1", *TINY), False),
     (r"python -m ddpexp\.bench --device cuda .*", refused("0 GPUs visible", "--plan"), False),
     (r"python -m ddpexp\.bench .*", succeeds("--plan"), False),
+    (r"python -m ddpexp\.bench\.strategies.*", succeeds("--plan"), False),  # the jobs themselves: test_fsdp2.py
+    (r"python -m ddpexp strategy=fsdp2 gpus=2$", succeeds("plan=true"), False),
     (r"python -m ddpexp hparams_search=digits_optuna launcher=slurm .*", succeeds(*SEARCH, "gpus=2"), True),
     (r"python -m ddpexp hparams_search=digits_optuna.*", succeeds(*SEARCH), False),
     (r"python -m ddpexp report multirun/2026-12-02/10-00-00$", report_of("multirun/2026-12-02/10-00-00"), False),

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddpexp.exceptions import ConfigError
 from ddpexp.rank import distributed
 from ddpexp.rank.model import build_model
 from ddpexp.strategies import DdpStrategyConfig, record
@@ -25,6 +26,11 @@ class DDPStrategy:
     def build(self, cfg: Any, splits: Any, resumed: Any) -> tuple[torch.nn.Module, str, bool]:
         """The whole model on this rank's device, with the checkpoint's weights if resumed; (model, precision,
         channels_last)."""
+        if resumed is not None and resumed.state.get("sharded"):
+            raise ConfigError(
+                f"resume: {resumed.path} is a strategy=fsdp2 checkpoint (every rank's shards); strategy=ddp resumes "
+                "its own one-file checkpoints only"
+            )
         return build_model(cfg, self.device, splits, resumed.state["model"] if resumed is not None else None)
 
     def wrap(self, model: torch.nn.Module, cfg: Any, precision: str = "fp32", ckpt_dir: str = "") -> DDP:

@@ -47,7 +47,9 @@ class Parts:
     task: Any
     task_name: str
     model: torch.nn.Module  # the module itself (sharded in place by fsdp2): evaluation and checkpoints use it
-    strategy: Any  # rank/ddp.py or rank/fsdp2.py: wraps the model, syncs and clips gradients, says what a checkpoint holds
+    strategy: (
+        Any  # rank/ddp.py or rank/fsdp2.py: wraps the model, syncs and clips gradients, says what a checkpoint holds
+    )
     wrapped: torch.nn.Module  # DDP(model), or the sharded model itself
     step_model: Any  # what the steps call: the wrapped model, compiled or not
     loader: Any  # the TrainLoader interface: set_epoch(epoch, start_batch), len(), iter()

@@ -68,6 +68,8 @@ def main(cfg: Config, job: Job) -> str:
         summary["cpu_quota"] = quota  # the threads follow it
         summary.update(train(cfg, job, device, tracker, resumed, stop))
         summary["peak_rss_mb"] = distributed.peak_rss_mb()
+        if device.type == "cuda":  # what the model, gradients and optimizer state took of each rank's GPU
+            summary["peak_cuda_mb"] = distributed.all_gather(round(torch.cuda.max_memory_allocated(device) / 2**20, 1))
         summary["status"] = "completed"
     except Stopped as e:
         requeue = e.requeue and rank == 0 and job.requeue is not None
