@@ -310,3 +310,57 @@ def test_a_rank_learns_rank_0s_dir_even_when_rank_0_took_it_away_again(
         monkeypatch.setenv(key, value)
     agreed = env.job_dir(OmegaConf.create({"job_dir_timeout_s": 5.0}), str(tmp_path / "rank1-own"))
     assert (agreed.path, agreed.leader) == (gone, False)
+
+
+def test_each_printed_line_is_one_write_even_unbuffered() -> None:
+    """torchrun's ranks share one stdout: under PYTHONUNBUFFERED print wrote a line's text and its newline apart,
+    and rank 1's "this rank finished" ran into rank 0's "completed" line."""
+    import io
+
+    from ddpexp.cli import main as cli_main
+
+    class Writes(io.RawIOBase):
+        def __init__(self) -> None:
+            self.calls: list[bytes] = []
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b) -> int:  # type: ignore[no-untyped-def, override]
+            self.calls.append(bytes(b))
+            return len(b)
+
+    raw = Writes()
+    stream = io.TextIOWrapper(raw, write_through=True)  # as python -u makes sys.stdout
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "stdout", stream)
+        cli_main.whole_lines()
+        print("ddpexp: this rank finished in 4.8s")
+        print("ddpexp: completed in 4.9s")
+    assert raw.calls == [b"ddpexp: this rank finished in 4.8s\n", b"ddpexp: completed in 4.9s\n"]
+
+
+def test_rank_0_stopped_by_torchrun_after_a_peer_raised_reports_the_peer(tmp_path: Path) -> None:
+    """torchrun SIGTERMs the other ranks when one raises: rank 0's command records the peer's error, not an
+    interruption; an error file from before this command started (an earlier attempt) is not this job's."""
+    from ddpexp.exceptions import RankFailure
+    from ddpexp.job import Job, read_json, write_json
+    from ddpexp.parent.wait import first_failure, wait
+
+    job = Job(dir=str(tmp_path), name="j", group=None, launcher="env", config_yaml="objective: val/acc\n")
+    (tmp_path / "logs").mkdir()
+    start = time.time()
+    write_json(job.error_path(2), {"rank": 2, "time": start - 5, "traceback": "RuntimeError: an earlier attempt"})
+    assert first_failure(job, start) is None
+    write_json(job.summary_path, {"status": "interrupted", "signal": "SIGTERM", "steps": 2, "launcher": "env"})
+    write_json(job.error_path(1), {"rank": 1, "time": time.time(), "traceback": "RuntimeError: rank 1 on purpose"})
+
+    class Stopped:
+        def wait(self) -> None:  # rank 0's worker returned "interrupted"
+            return None
+
+    with pytest.raises(RankFailure) as e:
+        wait(job, Stopped(), start)  # type: ignore[arg-type]
+    assert e.value.rank == 1 and "rank 1 on purpose" in str(e.value)
+    summary = read_json(job.summary_path) or {}
+    assert summary["status"] == "failed" and "rank 1 on purpose" in summary["error"]

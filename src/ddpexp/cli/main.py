@@ -5,12 +5,22 @@ again (ddpexp.cli.evaluate). From Python: ddpexp.run([...]) (ddpexp.cli.api), dd
 
 from __future__ import annotations
 
+import io
 import sys
 
 import hydra
 
 
+def whole_lines() -> None:
+    """Each printed line in one write. Unbuffered (python -u, PYTHONUNBUFFERED=1), print writes its text and its
+    newline apart, and the lines of commands that share one stdout (torchrun's ranks) ran into each other."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.write_through:
+            stream.reconfigure(write_through=False, line_buffering=True)
+
+
 def main() -> None:
+    whole_lines()
     if sys.argv[1:2] == ["report"]:  # `ddpexp report PATH...`: reads run records, composes no config
         from ddpexp.report.main import main as report_main
 

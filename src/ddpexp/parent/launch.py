@@ -75,7 +75,7 @@ def run(dcfg: DictConfig, cmd: Command) -> float | None:
     try:
         handle = launch_function(cfg.launcher._target_)(worker.main, cfg, job)
     except RankFailure as e:
-        raise record_failure(job, first_failure(job) or e, time.time() - start) from None
+        raise record_failure(job, first_failure(job, start) or e, time.time() - start) from None
     except BaseException as e:
         record_failure(job, e, time.time() - start)
         raise

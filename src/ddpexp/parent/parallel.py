@@ -223,7 +223,7 @@ def _job_process(
         write_json(job.summary_path, {**earlier, "status": "interrupted", "signal": str(e)})
         sys.exit(130)
     except RankFailure as e:
-        record_failure(job, first_failure(job) or e, time.time() - t0)
+        record_failure(job, first_failure(job, t0) or e, time.time() - t0)
         sys.exit(1)
     except KeyboardInterrupt as e:  # a second signal: the ranks stopped at once
         record_failure(job, e, time.time() - t0)

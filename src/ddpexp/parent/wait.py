@@ -30,9 +30,9 @@ def wait(job: Job, handle: Handle, start: float) -> float | None:
     try:
         handle.wait()
     except RankFailure as e:
-        raise record_failure(job, e if e.died else first_failure(job) or e, time.time() - start) from None
-    except BaseException as e:
-        record_failure(job, e, time.time() - start)
+        raise record_failure(job, e if e.died else first_failure(job, start) or e, time.time() - start) from None
+    except BaseException as e:  # a signal: where a peer rank raised first (torchrun then stops the rest), that peer
+        record_failure(job, first_failure(job, start) or e, time.time() - start)
         raise
     return finish(job, start)
 
@@ -57,7 +57,10 @@ def finish(job: Job, start: float) -> float | None:
     if summary is None:  # multi-node: global rank 0, and with it the run record, is on another node
         print(f"ddpexp: this node's ranks finished in {time.time() - start:.1f}s; rank 0 holds the run record")
         return None
-    if summary.get("status") in ("interrupted", "requeued") or _signalled(summary):
+    stopped = summary.get("status") in ("interrupted", "requeued") or _signalled(summary)
+    if stopped and (peer := first_failure(job, start)):  # torchrun stops the other ranks when one raised
+        raise record_failure(job, peer, time.time() - start)
+    if stopped:
         raise Interrupted(interrupted_message(job, summary))
     if summary.get("status") != "completed":
         raise RankFailure(summary.get("error", "?").rsplit("(", 1)[-1].rstrip(")"), summary.get("error", "no summary"))
@@ -86,10 +89,11 @@ def interrupted_message(job: Job, summary: dict[str, Any]) -> str:
     return f"interrupted by {summary.get('signal', 'a signal')} {where}, {ckpt}; resume with: {command}"
 
 
-def first_failure(job: Job) -> RankFailure | None:
-    """The rank that failed first, from the error files ranks write (a launcher sees whichever it polls first)."""
+def first_failure(job: Job, since: float) -> RankFailure | None:
+    """The rank that failed first, from the error files ranks write (a launcher sees whichever it polls first);
+    `since`: this command's start (an earlier attempt's files, before a restart, are not this one's)."""
     records = [read_json(p) for p in glob.glob(os.path.join(job.dir, "logs", "rank*.error.json"))]
-    records = [r for r in records if r]
+    records = [r for r in records if r and r.get("time", 0) >= since]
     if not records:
         return None
     first = min(records, key=lambda r: r["time"])
