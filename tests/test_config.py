@@ -191,6 +191,8 @@ def test_config_drift_names_the_result_changing_keys_only() -> None:
            "gpus": 2, "launcher": {"_target_": torchrun, "nnodes": "1"}, "epochs": 5, "wandb": {"mode": "offline"}}  # fmt: skip
     new = {**old, "data": {"root": "/b", "seed": 0}, "epochs": 9, "wandb": {"mode": "disabled"}}
     assert config_drift(old, new) == []  # dataset moved, trained longer, other tracking: the same run
+    assert config_drift(old, {**new, "drop_last": False}) == []  # the key added later, at its default: as before
+    assert config_drift(old, {**new, "drop_last": True}) == ["drop_last"]
     new = {**new, "model": {"_target_": "m", "hidden": [128]}, "gpus": 4, "seed": 1}
     assert config_drift(old, new) == ["model.hidden", "seed", "world_size"]
     elastic = {**old, "launcher": {"_target_": torchrun, "nnodes": "1:2"}}

@@ -53,13 +53,83 @@ def test_in_memory_batches_equal_dataloader_path_and_resume_slices(mnist_root, w
             plain.set_epoch(epoch, start)
             got, want = list(fast), list(plain)
             assert len(got) == len(want) == len(fast) - start
-            for (xf, yf), (xp, yp) in zip(got, want):
-                assert torch.equal(xf, xp) and torch.equal(yf, yp)
+            for ((xf, yf), own_f, all_f), ((xp, yp), own_p, all_p) in zip(got, want):
+                assert torch.equal(xf, xp) and torch.equal(yf, yp) and (own_f, all_f) == (own_p, all_p)
+                assert own_f == len(yf)
+            assert sum(total for _, _, total in got) == 300 - start * batch * world_size  # the global order's rest
     # different epochs give different orders (set_epoch reaches the permutation)
     fast.set_epoch(0)
-    first = next(iter(fast))[1]
+    first = next(iter(fast))[0][1]
     fast.set_epoch(1)
-    assert not torch.equal(first, next(iter(fast))[1])
+    assert not torch.equal(first, next(iter(fast))[0][1])
+
+
+def test_a_samples_augmentation_and_slices_are_the_same_at_any_world_size() -> None:
+    """Random augmentation is keyed by (seed, epoch, sample index): a sample is cropped and flipped alike at 1 and 3
+    ranks (in memory), and a DataLoader dataset's own torch RNG draws are too, the main process's RNG untouched."""
+    from ddpexp.parts.inmemory import TensorImages
+
+    images = TensorImages(torch.randint(0, 256, (40, 1, 8, 8), dtype=torch.uint8), torch.arange(40), (0.5,), (0.5,),
+                          crop_padding=2, hflip=True)  # fmt: skip
+
+    def in_memory(world_size: int, epoch: int) -> dict[int, torch.Tensor]:
+        seen = {}
+        for rank in range(world_size):
+            loader = InMemoryLoader(images, 5, rank, world_size, seed=7, device=CPU)
+            loader.set_epoch(epoch)
+            for (x, y), own, _ in loader:
+                seen.update({int(i): xi for i, xi in zip(y[:own], x[:own])})
+        return seen
+
+    one, three = in_memory(1, 1), in_memory(3, 1)
+    assert sorted(one) == sorted(three) == list(range(40)) and all(torch.equal(one[i], three[i]) for i in one)
+    assert any(not torch.equal(one[i], in_memory(1, 2)[i]) for i in one)  # another epoch, other draws
+
+    class Noisy(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 30
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+            return torch.rand(3), i  # a user's random transform, on torch's RNG
+
+    def through_dataloader(world_size: int) -> dict[int, torch.Tensor]:
+        seen = {}
+        for rank in range(world_size):
+            loader = loaders.TrainLoader(Noisy(), 4, rank, world_size, seed=7)
+            loader.set_epoch(1)
+            for (x, y), _, _ in loader:
+                seen.update({int(i): xi for i, xi in zip(y, x)})
+        return seen
+
+    torch.manual_seed(11)
+    a = through_dataloader(1)
+    after = torch.rand(1)
+    torch.manual_seed(11)
+    torch.empty((), dtype=torch.int64).random_()  # the DataLoader's own draw of its base seed, as ever
+    assert torch.equal(after, torch.rand(1))  # and nothing else: the per-sample seeds left the RNG as it was
+    b = through_dataloader(2)
+    assert sorted(a) == sorted(b) == list(range(30)) and all(torch.equal(a[i], b[i]) for i in a)
+
+
+def test_the_global_order_repeats_and_drops_nothing_at_any_world_size() -> None:
+    """1,438 digits at 3 ranks of 21: no padding (DistributedSampler repeats 2), slices differing by one at most,
+    a rank with an empty slice loads rank 0's and trains on none; drop_last leaves out the short last one."""
+    for world_size, batch in ((1, 63), (3, 21), (4, 500), (3, 1)):
+        got = []
+        for rank in range(world_size):
+            order = loaders.GlobalOrder(1438, batch, rank, world_size, seed=3)
+            order.set_epoch(2, start=100)
+            got.append([(m.tolist(), own, total) for m, own, total in order])
+        trained = sorted(i for blocks in got for m, own, _ in blocks for i in m[:own])
+        g = torch.Generator().manual_seed(3 + 2)
+        assert trained == sorted(torch.randperm(1438, generator=g)[100:].tolist())  # each of the rest once
+        for step in zip(*got):  # the ranks' slices of one global micro-batch
+            owns = [own for _, own, _ in step]
+            assert max(owns) - min(owns) <= 1 and sum(owns) == step[0][2]
+    tiny = [list(loaders.GlobalOrder(2, 4, rank, 3, seed=0)) for rank in range(3)]
+    assert [t[0][1:] for t in tiny] == [(1, 2), (1, 2), (0, 2)] and torch.equal(tiny[2][0][0], tiny[0][0][0])
+    dropped = loaders.GlobalOrder(1438, 21, 0, 3, seed=0, drop_last=True)
+    assert len(dropped) == 1438 // 63 and all(total == 63 for _, _, total in dropped)
 
 
 def test_digits_tensor_dataset_goes_through_the_in_memory_loader() -> None:
@@ -68,9 +138,9 @@ def test_digits_tensor_dataset_goes_through_the_in_memory_loader() -> None:
 
     splits = data.digits()
     loader = loaders.train_loader(splits, Cfg, 0, 2, CPU)
-    assert isinstance(loader, InMemoryLoader) and len(loader) == 8  # 1438 / 2 = 719 per rank
-    x, y = next(iter(loader))
-    assert x.shape == (100, 1, 8, 8) and y.dtype == torch.long
+    assert isinstance(loader, InMemoryLoader) and len(loader) == 8  # 1438 / (2 x 100)
+    (x, y), own, total = next(iter(loader))
+    assert x.shape == (100, 1, 8, 8) and y.dtype == torch.long and (own, total) == (100, 200)
 
 
 def test_eval_batches_score_every_sample_once(mnist_root: Path) -> None:

@@ -1,5 +1,5 @@
-"""Sizes that train, but not as meant, say so: a train set that DistributedSampler must pad with repeats for a
-large share of every epoch, and a batch larger than each rank's shard (one short step per epoch)."""
+"""Sizes that train, but not as meant, say so: a global batch larger than the train set (one short step per
+epoch); and such a run on more ranks than samples trains, each sample once, the empty rank in every collective."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_ddpexp
+from conftest import read_summary, run_ddpexp
 from ddpexp.parts.loaders import warn_about_sizes
 
 
@@ -18,8 +18,7 @@ def test_size_warnings_name_the_numbers(caplog: pytest.LogCaptureFixture) -> Non
         assert caplog.messages == []
         warn_about_sizes(1, 2, 64)
     assert caplog.messages == [
-        "warning: 1 train samples on 2 ranks: DistributedSampler pads the shards with 1 repeated samples, 50% of every epoch",
-        "warning: batch_size=64 is more than each rank's 1 train samples: one step per epoch, of 1 samples a rank",
+        "warning: batch_size=64 on 2 ranks is more than the 1 train samples: one step per epoch, of 1 samples",
     ]  # fmt: skip
 
 
@@ -30,6 +29,7 @@ def test_a_one_sample_train_set_on_two_ranks_warns_once_each(tmp_path: Path) -> 
                       "wandb.mode=disabled", "hydra.run.dir=job", cwd=tmp_path)  # fmt: skip
     warnings = [line.split("] ", 1)[1] for line in proc.stdout.splitlines() if "] warning: " in line]
     assert warnings == [
-        "warning: 1 train samples on 2 ranks: DistributedSampler pads the shards with 1 repeated samples, 50% of every epoch",
-        "warning: batch_size=64 is more than each rank's 1 train samples: one step per epoch, of 1 samples a rank",
+        "warning: batch_size=64 on 2 ranks is more than the 1 train samples: one step per epoch, of 1 samples",
     ]  # fmt: skip
+    summary = read_summary(tmp_path / "job")  # rank 1 had no sample: it took part with a weight of 0
+    assert summary["status"] == "completed" and summary["steps"] == 2 and summary["train_samples_per_epoch"] == [1, 1]

@@ -162,6 +162,7 @@ class Config:
     max_steps: int | None = None  # optimizer steps; stops before `epochs` when reached
     batch_size: int = 64  # per process
     grad_accum: int = 1
+    drop_last: bool = False  # true: each epoch leaves out its last, short global micro-batch (false: every sample once)
     precision: str = "auto"  # auto: bf16 autocast on a CUDA GPU that has bf16, else fp32 (bit-exact)
     clip_grad_norm: float | None = None
     seed: int = 0

@@ -18,6 +18,7 @@ ADDED_KEYS: dict[tuple[str, ...], Any] = {
     ("data", "test_fraction"): None,
     ("tracker",): {"wandb": {"_target_": "ddpexp.trackers.wandb.start", "on_error": "warn"}},  # W&B, as before
     ("strategy",): {"name": "ddp"},  # DistributedDataParallel, as before
+    ("drop_last",): False,  # every sample once per epoch, as the padded order nearly did
 }
 
 

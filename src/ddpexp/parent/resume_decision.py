@@ -138,7 +138,8 @@ def config_sha256(config_yaml: str) -> str:
 
 # What decides the numbers a run produces; a checkpoint resumed under other values would not be "the same run".
 DRIFT_KEYS = ("model", "data", "optimizer", "scheduler", "batch_size", "grad_accum", "seed", "precision",
-              "clip_grad_norm", "world_size")  # fmt: skip
+              "clip_grad_norm", "drop_last", "world_size")  # fmt: skip
+DRIFT_DEFAULTS = {"drop_last": False}  # a key added later: an older config without it held this value
 NOT_DRIFT = ("data.root", "data.download")
 
 
@@ -148,7 +149,7 @@ def config_drift(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     def flat(cfg: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key in DRIFT_KEYS:
-            value = world_size(cfg) if key == "world_size" else cfg.get(key)
+            value = world_size(cfg) if key == "world_size" else cfg.get(key, DRIFT_DEFAULTS.get(key))
             stack = [(key, value)]
             while stack:
                 k, v = stack.pop()

@@ -41,10 +41,13 @@ class TensorImages(Dataset):
         moved.mean, moved.std = self.mean.to(device), self.std.to(device)
         return moved
 
-    def batch(self, idx: torch.Tensor, train: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, idx: torch.Tensor, train: bool = False, keys: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`keys`: each sample's random key (the loader's: seed, epoch, index), else torch's RNG draws."""
         pixels = self.images[idx]
         if train:
-            pixels = augment(pixels, self.crop_padding, self.hflip)
+            pixels = augment(pixels, self.crop_padding, self.hflip, keys)
         # ToTensor's `float().div(255)`, then Normalize's `sub_(mean).div_(std)`: the same ops, element by element.
         return pixels.float().div(255).sub(self.mean).div(self.std), self.labels[idx]
 
@@ -72,23 +75,36 @@ def batchable(dataset: Any) -> Any | None:
     return dataset if hasattr(dataset, "batch") and hasattr(dataset, "to") else None
 
 
-def augment(pixels: torch.Tensor, crop_padding: int, hflip: bool) -> torch.Tensor:
-    """torchvision's RandomCrop(size, padding, fill=0) and RandomHorizontalFlip, for a whole batch at once."""
+def augment(pixels: torch.Tensor, crop_padding: int, hflip: bool, keys: torch.Tensor | None = None) -> torch.Tensor:
+    """torchvision's RandomCrop(size, padding, fill=0) and RandomHorizontalFlip, for a whole batch at once; with
+    `keys` (int64, one per sample) each sample's shift and flip follow from its key alone, not from the batch."""
     n, _, h, w = pixels.shape
+
+    def draw(salt: int, high: int) -> torch.Tensor:  # n ints in [0, high)
+        if keys is None:
+            return torch.randint(0, high, (n,), device=pixels.device)
+        return ((splitmix(keys + salt) >> 11) & ((1 << 52) - 1)) % high
+
     if crop_padding:
         p = crop_padding
         padded = F.pad(pixels, (p, p, p, p))
-        dy = torch.randint(0, 2 * p + 1, (n, 1), device=pixels.device)
-        dx = torch.randint(0, 2 * p + 1, (n, 1), device=pixels.device)
+        dy, dx = draw(1, 2 * p + 1)[:, None], draw(2, 2 * p + 1)[:, None]
         rows = (dy + torch.arange(h, device=pixels.device))[:, None, :, None]  # n, 1, h, 1
         cols = (dx + torch.arange(w, device=pixels.device))[:, None, None, :]  # n, 1, 1, w
         batch = torch.arange(n, device=pixels.device)[:, None, None, None]
         channels = torch.arange(pixels.shape[1], device=pixels.device)[None, :, None, None]
         pixels = padded[batch, channels, rows, cols]
     if hflip:
-        flip = torch.rand(n, device=pixels.device) < 0.5
+        flip = torch.rand(n, device=pixels.device) < 0.5 if keys is None else draw(3, 2) == 1
         pixels = torch.where(flip[:, None, None, None], pixels.flip(3), pixels)
     return pixels
+
+
+def splitmix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 (wrapping multiplication, logical shifts): a well-mixed hash per element."""
+    for shift, mult in ((30, -4658895280553007687), (27, -7723592293110705685)):
+        x = (x ^ ((x >> shift) & ((1 << (64 - shift)) - 1))) * mult
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
 
 
 def cached(name: str, root: str, split: str, decode: Any, sources: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,7 @@ early stopping's count, the config and the trackers' run ids; and, at start, the
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,15 +18,19 @@ from ddpexp.exceptions import ConfigError
 from ddpexp.job import Job
 from ddpexp.rank import checkpoint, distributed
 
+log = logging.getLogger("ddpexp")
+
 
 @dataclass
 class Position:
-    """Where a run stands: the next batch to train on, as (epoch, micro-batches of it consumed), and steps taken."""
+    """Where a run stands: the next batch to train on, as (epoch, micro-batches of it consumed, samples of its
+    global order consumed), and steps taken."""
 
     epoch: int = 0
     batch: int = 0
     step: int = 0
     last_log_step: int = 0  # where the pending loss sum of the log interval started
+    samples: int | None = None  # None: an IterableDataset's epoch, or a checkpoint from before the count
 
 
 @dataclass
@@ -72,6 +77,7 @@ class Checkpointer:
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "epoch": position.epoch,
             "batch_in_epoch": position.batch,
+            "samples_in_epoch": position.samples,  # continues the same global order at any world size
             "step": position.step,
             "last_log_step": position.last_log_step,
             "world_size": dist.get_world_size(),
@@ -109,18 +115,23 @@ def load(cfg: Config, job: Job) -> Resumed | None:
     if saved_world != world_size and not cfg.resume_allow_config_change:
         raise ConfigError(
             f"resume: {choice} was written by {saved_world} ranks, this job has {world_size}; "
-            "set resume_allow_config_change=true to continue anyway (from the next epoch)"
+            "set resume_allow_config_change=true to continue anyway (the epoch's global order goes on)"
         )
-    epoch, batch = state["epoch"], state.get("batch_in_epoch", 0)
+    epoch, batch, seen = state["epoch"], state.get("batch_in_epoch", 0), state.get("samples_in_epoch")
     rng, pending = state["rng"], state.get("loss_sum")
     if isinstance(rng, dict):  # a checkpoint of rank 0's RNG only
         rng = [rng] * saved_world
-    if saved_world != world_size:  # other shards: continue from the next epoch boundary, with rank 0's streams
-        epoch, batch = epoch + (batch > 0), 0
+    if seen is None and batch > 0 and rank == 0:  # the rule of before the count: micro-batches, the next epoch
+        then = f"epoch {epoch + 1}'s start" if saved_world != world_size else f"micro-batch {batch} of epoch {epoch}"
+        log.warning("warning: %s holds no sample count of its epoch (an IterableDataset's, or written before ddpexp"
+                    " counted them): the job continues from %s", choice, then)  # fmt: skip
+    if saved_world != world_size:  # the same global order goes on; each rank with rank 0's streams
+        if seen is None and batch > 0:
+            epoch, batch = epoch + 1, 0
         rng = [rng[0]] * world_size
         pending = [sum(pending) / world_size] * world_size if pending is not None else None
     state.update(rng=rng[rank], loss_sum=pending[rank] if pending is not None else 0.0)
-    position = Position(epoch, batch, state["step"], state.get("last_log_step", state["step"]))
+    position = Position(epoch, batch, state["step"], state.get("last_log_step", state["step"]), seen)
     own = os.path.dirname(os.path.abspath(choice)) == os.path.abspath(job.checkpoint_dir)
     return Resumed(choice, own, position, state)
 

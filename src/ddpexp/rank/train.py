@@ -18,12 +18,13 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 
 from ddpexp.config import Config
-from ddpexp.exceptions import ConfigError, Stopped
+from ddpexp.exceptions import Stopped
 from ddpexp.job import Job
 from ddpexp.parts.loaders import train_loader, warn_about_sizes
 from ddpexp.parts.optim import build_optimizer, call_accepting
 from ddpexp.parts.tasks import check_loss, directions, objective_mode, samples, to_device
 from ddpexp.rank import checkpoint, distributed
+from ddpexp.rank.accounting import planned_steps, resumed_part, weights
 from ddpexp.rank.best import Best, check_objective
 from ddpexp.rank.ddp import DDPStrategy
 from ddpexp.rank.debug import DebugFaults
@@ -52,8 +53,9 @@ class Parts:
     )
     wrapped: torch.nn.Module  # DDP(model), or the sharded model itself
     step_model: Any  # what the steps call: the wrapped model, compiled or not
-    loader: Any  # the TrainLoader interface: set_epoch(epoch, start_batch), len(), iter()
+    loader: Any  # the TrainLoader interface: set_epoch(epoch, start_batch, start_sample), len(), iter()
     n_batches: int | None  # None: an IterableDataset, whose epochs end when the first rank runs dry
+    epoch_samples: int | None  # what one epoch of the global order trains on (None: an IterableDataset)
     total_steps: int
     optimizer: Any
     scheduler: Any
@@ -78,8 +80,10 @@ def build(cfg: Config, job: Job, device: torch.device, resumed: Resumed | None) 
 
     loader = train_loader(splits, cfg, rank, world_size, device)
     n_batches = _length(loader)
+    epoch_samples = loader.order.end if getattr(loader, "order", None) is not None else None
     steps_per_epoch = -(-n_batches // cfg.grad_accum) if n_batches is not None else None
-    total_steps = min(cfg.max_steps or sys.maxsize, cfg.epochs * (steps_per_epoch or sys.maxsize))
+    total_steps = min(cfg.max_steps or sys.maxsize, planned_steps(cfg, resumed, steps_per_epoch, epoch_samples,
+                                                                 cfg.batch_size * world_size))  # fmt: skip
     optimizer = build_optimizer(instantiate(cfg.optimizer), strategy.parameters(), device)
     scheduler = (
         call_accepting(instantiate(cfg.scheduler), optimizer, total_steps=total_steps) if cfg.scheduler else None
@@ -93,8 +97,8 @@ def build(cfg: Config, job: Job, device: torch.device, resumed: Resumed | None) 
     if rank == 0:
         warn_about_sizes(_length(splits.train), world_size, cfg.batch_size)
     step_model = torch.compile(wrapped) if cfg.compile else wrapped
-    return Parts(splits, task, task_name, model, strategy, wrapped, step_model, loader, n_batches, total_steps,
-                 optimizer, scheduler, scaler, autocast, precision, channels_last, memory_format)  # fmt: skip
+    return Parts(splits, task, task_name, model, strategy, wrapped, step_model, loader, n_batches, epoch_samples,
+                 total_steps, optimizer, scheduler, scaler, autocast, precision, channels_last, memory_format)  # fmt: skip
 
 
 def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Resumed | None, stop: Any) -> dict:
@@ -116,9 +120,8 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
     if resumed is not None:
         restore(resumed, p.strategy, p.model, optimizer, p.scheduler, p.scaler)
         pos, final = resumed.position, dict(resumed.state.get("final", {}))
-        log.info(
-            "rank %d resumed from %s: step %d, epoch %d, batch %d", rank, resumed.path, pos.step, pos.epoch, pos.batch
-        )
+        where = f"sample {pos.samples}" if pos.samples is not None else f"batch {pos.batch}"
+        log.info("rank %d resumed from %s: step %d, epoch %d, %s", rank, resumed.path, pos.step, pos.epoch, where)
     best = Best.restore(objective["mode"], resumed.state.get("best") if resumed is not None else None)
     if resumed is None and rank == 0:
         checkpoint.drop_best(job.checkpoint_dir)
@@ -138,27 +141,35 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
     # Epochs of optimizer steps.
     step, first_step_at, scored, stopped_early = pos.step, None, None, False
     epoch = pos.epoch - 1  # epochs run = epoch + 1, also when a finished run is resumed
+    trained: list[int] = []  # samples trained per epoch, over all ranks (the resumed epoch: with its earlier part)
     for epoch in range(pos.epoch, cfg.epochs):
         if step >= total_steps:
             break
-        skip = pos.batch if epoch == pos.epoch else 0
-        loader.set_epoch(epoch, skip)
+        skip, start = (pos.batch, pos.samples) if epoch == pos.epoch else (0, 0)
+        loader.set_epoch(epoch, skip, start)
         if resumed is not None and epoch == pos.epoch and skip == 0:
             checkpoint.set_rng_state(resumed.state["rng"])
         batches = iter(loader)  # draws the loader's base seed from torch's RNG, as the uninterrupted run did
         if resumed is not None and epoch == pos.epoch and skip > 0:
             checkpoint.set_rng_state(resumed.state["rng"])  # after that draw, which it made before the checkpoint
         p.wrapped.train()
-        consumed, due = skip, False  # micro-batches of this epoch behind us; a step checkpoint left to its end
+        # Micro-batches and samples (of the global order) of this epoch behind us; a step checkpoint left to its end.
+        consumed, seen, due = skip, loader.order.start if p.epoch_samples is not None else None, False
+        mine = torch.zeros((), dtype=torch.int64)  # samples this rank trained on in this epoch (this attempt)
         while step < total_steps:
             # One step: its micro-batches on the device, the ranks' agreement (stop? epoch over? how many samples?),
             # forward/backward of each, weighted by its share of the step's items, then the optimizer.
-            group = [to_device(task, b, device, p.memory_format) for b in itertools.islice(batches, cfg.grad_accum)]
-            sizes = [samples(b) for b in group]
+            drawn = list(itertools.islice(batches, cfg.grad_accum))
+            group = [to_device(task, b, device, p.memory_format) for b, _, _ in drawn]
+            sizes = [samples(b) if own is None else own for (_, own, _), b in zip(drawn, group)]
             ended, all_samples = agreement.before_step(stop.reason, len(group), sum(sizes))
             if ended:
                 break
             consumed += len(group)
+            if seen is not None:  # the global order: every rank knows the step's samples over all ranks
+                all_samples = sum(total for _, _, total in drawn)
+                seen += all_samples
+            mine += sum(sizes)
             divisors, items = weights(task, p.task_name, group, sizes, all_samples, world_size)
             step += 1
             meter.add(optimizer_step(cfg, p, group, divisors), items, step)
@@ -177,22 +188,24 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
             elif line == "started":  # the pace and ETA soon, even when an epoch is shorter than the log interval
                 meter.started(step, epoch)
             if reason:  # after the step of the batches already drawn (augmentation draws RNG): a resume redoes none
-                path = save(Position(epoch, consumed, step, meter.last[1]))
+                path = save(Position(epoch, consumed, step, meter.last[1], seen))
                 raise Stopped(stop.signame or "a rank's stop signal", reason == REQUEUE, step, path)
             if cfg.checkpoint_every_n_steps and step % cfg.checkpoint_every_n_steps == 0 and step < total_steps:
                 # At the epoch's last step it is written after the epoch's evaluation (below), so it holds it: a
                 # run resumed from it neither records that evaluation again nor counts it twice for the patience.
-                due = consumed >= (p.n_batches or sys.maxsize)
+                due = epoch_over(p, consumed, seen)
                 if not due:
-                    save(Position(epoch, consumed, step, meter.last[1]))
+                    save(Position(epoch, consumed, step, meter.last[1], seen))
 
         # The epoch's end: an exact evaluation, then a checkpoint. Stopped by max_steps inside the epoch, the
         # checkpoint keeps that position, so a larger max_steps continues with the epoch's next batch.
         last_epoch = step >= total_steps or epoch == cfg.epochs - 1
-        if step >= total_steps and consumed < (p.n_batches or sys.maxsize):
-            position = Position(epoch, consumed, step, meter.last[1])
+        if step >= total_steps and not epoch_over(p, consumed, seen):
+            position = Position(epoch, consumed, step, meter.last[1], seen)
         else:
-            position = Position(epoch + 1, 0, step, meter.last[1])
+            position = Position(epoch + 1, 0, step, meter.last[1], 0 if seen is not None else None)
+        dist.all_reduce(mine, group=control)  # once an epoch: the samples trained, each once, for the record
+        trained.append(int(mine) + resumed_part(resumed, pos, epoch))
         if (epoch + 1) % cfg.eval_every_n_epochs == 0 or last_epoch:
             metrics, scored = evaluate(
                 task, p.model, p.splits.val, cfg.batch_size, device, p.autocast, p.memory_format, p.task_name,
@@ -223,7 +236,9 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
     if cfg.early_stop.patience is not None:
         result["early_stop"] = best.early_stop_record(cfg.early_stop, step if stopped_early else None)
     result.update(directions=directions(task), val_samples=_length(p.splits.val))
-    result.update(val_scored=scored, data_path=type(loader).__name__, precision=p.precision)
+    result.update(
+        train_samples_per_epoch=trained, val_scored=scored, data_path=type(loader).__name__, precision=p.precision
+    )
     result.update(channels_last=p.channels_last, **p.strategy.record())
     result["first_step_at"] = first_step_at  # unix time the first optimizer step of this attempt ended
     if cfg.debug.check_replicas:
@@ -231,29 +246,12 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
     return result
 
 
-def weights(
-    task: Any, task_name: str, group: list[Any], sizes: list[int], all_samples: int | None, world_size: int
-) -> tuple[list[Any], Any]:
-    """Each micro-batch's divisor of its mean loss, so that after DDP averages over the ranks the step's gradient
-    is that of the mean over every item of the step (items: the task's `count`, else samples), and the items of
-    the step over all ranks (a tensor) for a counting task's throughput, else None.
-
-    With equal shards and no `count`, every rank's i-th micro-batch has the same size, so the sizes are known
-    here without a collective; when they are all equal the divisor is exactly the number of micro-batches, as
-    in a hand-written `loss / grad_accum`."""
-    if hasattr(task, "count"):  # tokens, pixels, unmasked labels: the step's total over the ranks
-        counts = [torch.as_tensor(task.count(b)) for b in group]
-        total = torch.stack(counts).sum().to(torch.float64)
-        dist.all_reduce(total)
-        return [(total / (world_size * n)).float() for n in counts], total
-    if min(sizes) < 1:
-        raise ConfigError(
-            f"{task_name}: cannot tell how many samples a {type(group[0]).__name__} batch holds (no tensor in it); "
-            "give the task a count(batch) method"
-        )
-    if all_samples is not None:  # uneven shards: the agreement summed the samples over the ranks
-        return [all_samples / (world_size * n) for n in sizes], None
-    return [sum(sizes) / n for n in sizes], None
+def epoch_over(p: Parts, consumed: int, seen: int | None) -> bool:
+    """Whether the epoch's micro-batches are all behind us: its samples of the global order (an IterableDataset:
+    never known ahead, its epoch ends when a rank runs dry)."""
+    if seen is not None and p.epoch_samples is not None:
+        return seen >= p.epoch_samples
+    return consumed >= (p.n_batches or sys.maxsize)
 
 
 def optimizer_step(cfg: Config, p: Parts, group: list[Any], divisors: list[Any]) -> torch.Tensor:
