@@ -39,12 +39,17 @@ class GlobalOrder:
         return -(-self.end // self.block)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, int, int]]:
-        """(the indices this rank loads, how many of them it trains on, the micro-batch's size over all ranks).
-        A rank whose slice is empty (a last micro-batch of fewer samples than ranks) loads rank 0's and trains on
-        none of them, so that it still takes part in every collective."""
+        return self.blocks()
+
+    def blocks(self, device: torch.device | None = None) -> Iterator[tuple[torch.Tensor, int, int]]:
+        """(the indices this rank loads, how many of them it trains on, the micro-batch's size over all ranks),
+        the indices on `device` (the epoch's order is moved there once). A rank whose slice is empty (a last
+        micro-batch of fewer samples than ranks) loads rank 0's and trains on none of them, so that it still takes
+        part in every collective."""
         g = torch.Generator()
         g.manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.n, generator=g)
+        order = order.to(device) if device is not None else order
         for start in range(self.start, self.end, self.block):
             block = order[start : min(start + self.block, self.end)]
             mine = block[self.rank :: self.world_size]
@@ -171,10 +176,9 @@ class InMemoryLoader:
         return len(self.order)
 
     def __iter__(self) -> Iterator[Any]:
-        for mine, own, total in self.order:
-            idx = mine.to(self.device)
+        for idx, own, total in self.order.blocks(self.device):  # no host-to-device copy per batch
             if self.keyed:
-                yield self.data.batch(idx, train=True, keys=self.order.key(mine).to(self.device)), own, total
+                yield self.data.batch(idx, train=True, keys=self.order.key(idx)), own, total
             else:
                 yield self.data.batch(idx, train=True), own, total
 

@@ -155,7 +155,7 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
         p.wrapped.train()
         # Micro-batches and samples (of the global order) of this epoch behind us; a step checkpoint left to its end.
         consumed, seen, due = skip, loader.order.start if p.epoch_samples is not None else None, False
-        mine = torch.zeros((), dtype=torch.int64)  # samples this rank trained on in this epoch (this attempt)
+        mine = 0  # samples this rank trained on in this epoch (this attempt)
         while step < total_steps:
             # One step: its micro-batches on the device, the ranks' agreement (stop? epoch over? how many samples?),
             # forward/backward of each, weighted by its share of the step's items, then the optimizer.
@@ -204,8 +204,9 @@ def train(cfg: Config, job: Job, device: torch.device, tracker: Any, resumed: Re
             position = Position(epoch, consumed, step, meter.last[1], seen)
         else:
             position = Position(epoch + 1, 0, step, meter.last[1], 0 if seen is not None else None)
-        dist.all_reduce(mine, group=control)  # once an epoch: the samples trained, each once, for the record
-        trained.append(int(mine) + resumed_part(resumed, pos, epoch))
+        counted = torch.tensor(mine, dtype=torch.int64)
+        dist.all_reduce(counted, group=control)  # once an epoch: the samples trained, each once, for the record
+        trained.append(int(counted) + resumed_part(resumed, pos, epoch))
         if (epoch + 1) % cfg.eval_every_n_epochs == 0 or last_epoch:
             metrics, scored = evaluate(
                 task, p.model, p.splits.val, cfg.batch_size, device, p.autocast, p.memory_format, p.task_name,
