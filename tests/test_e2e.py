@@ -54,11 +54,14 @@ def write_mnist_idx(root: Path, n_train: int = 300, n_test: int = 101) -> None:
 def test_spawn_two_ranks_and_equal_to_one_rank_double_batch(tmp_path: Path) -> None:
     two, one = tmp_path / "two", tmp_path / "one"
     # SGD: the update is linear in the gradient, so float rounding stays at rounding size (Adam's m/sqrt(v)
-    # magnifies it for near-zero gradients).
-    common = ["launcher=spawn", "debug.check_replicas=true", *QUICK, "seed=3", "optimizer=sgd", "optimizer.lr=0.05"]
+    # magnifies it for near-zero gradients). An odd train set (1,437): the last step's slices are 15 and 14
+    # samples, weighted exactly (DistributedSampler would repeat one sample and average the ranks' means).
+    common = ["launcher=spawn", "debug.check_replicas=true", *QUICK, "seed=3", "optimizer=sgd", "optimizer.lr=0.05",
+              "data.val_fraction=0.2005"]  # fmt: skip
     proc = run_ddpexp(*common, "gpus=2", "batch_size=32", f"hydra.run.dir={two}", cwd=tmp_path)
     summary = check_run_record(two, "spawn", 2)
-    assert summary["steps"] == 2 * 23 and summary["val_samples"] == 359  # 1438/2 = 719 per rank, 23 batches of 32
+    assert summary["steps"] == 2 * 23 and summary["val_samples"] == 360  # 22 steps of 2 x 32, then 29 samples
+    assert summary["train_samples_per_epoch"] == [1437, 1437]
     assert f"val/acc={summary['final']['val/acc']:.4f}" in proc.stdout
     metrics = read_metrics(two)
     assert [m["step"] for m in metrics if "val/acc" in m] == [23, 46]

@@ -2,7 +2,8 @@
 grad_accum=3 train what 1 process of 63 does on an odd train set (partial last batch included); a run stopped
 mid-epoch at 3 ranks continues the same global order at 1 rank (same global batch: the same weights as the
 uninterrupted run) and at 2 ranks of another batch size, every sample trained once per epoch, counted by a
-dataset that records what it serves; the token-counting LM task at 3 ranks equals 1 process."""
+dataset that records what it serves; a checkpoint from before the count keeps the old rule; the token-counting LM
+task at 3 ranks equals 1 process, its last step of 7 windows split 3/2/2. 2 ranks on an odd set: test_e2e.py."""
 
 from __future__ import annotations
 
