@@ -128,6 +128,15 @@ def test_a_live_writers_partial_file_is_kept(tmp_path: Path) -> None:
         removed = remove_partial([str(tmp_path), str(tmp_path / "missing")])
         assert sorted(removed) == sorted(str(tmp_path / n) for n in names[1:3])
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names[0], *names[3:]])
+        # A writer killed between moving the old best.pt aside and renaming the new one in: the old one comes back.
+        (tmp_path / f"best.pt.old.tmp.{gone.pid}").mkdir()
+        (tmp_path / f"best.pt.old.tmp.{gone.pid}" / "state.pt").write_text("old best")
+        (tmp_path / f"last.pt.old.tmp.{gone.pid}").write_text("superseded")
+        (tmp_path / "last.pt").write_text("new")
+        assert remove_partial([str(tmp_path)]) == [str(tmp_path / f"last.pt.old.tmp.{gone.pid}")]
+        assert (tmp_path / "best.pt" / "state.pt").read_text() == "old best" and (
+            tmp_path / "last.pt"
+        ).read_text() == "new"
     finally:
         writer.kill()
         writer.wait()

@@ -177,7 +177,8 @@ def remove_partial(folders: list[str]) -> list[str]:
     """Remove the partial files of atomic writes cut short (`NAME.tmp.PID`: write_json, checkpoint saves, a sharded
     checkpoint's folder) in `folders` whose writer is gone: its pid no longer runs on this host (a writer killed
     midway, an earlier attempt of this job; this very process holds none between writes). A live writer's file is
-    left alone. Called at a job's start, with the job dir's lock held (no other command writes there); returns what
+    left alone. A whole checkpoint moved aside for its replacement (`NAME.old.tmp.PID`) is put back as NAME when
+    the replacement never arrived, else removed. Called at a job's start, with the job dir's lock held (no other command writes there); returns what
     it removed."""
     import re
     import shutil
@@ -193,6 +194,10 @@ def remove_partial(folders: list[str]) -> list[str]:
             match = re.fullmatch(r".+\.tmp\.(\d+)", name)
             path = os.path.join(folder, name)
             if match is None or not os.path.lexists(path) or _alive({"pid": int(match.group(1)), "host": host}, host):
+                continue
+            kept = os.path.join(folder, name[: match.start(1) - len(".old.tmp.")])
+            if name[: match.start(1)].endswith(".old.tmp.") and not os.path.lexists(kept):
+                os.rename(path, kept)  # moved aside for its replacement, which never came: the only whole copy
                 continue
             try:
                 if os.path.isdir(path) and not os.path.islink(path):  # a sharded checkpoint's folder
