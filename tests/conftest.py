@@ -22,20 +22,29 @@ from wandb_offline import find_offline_runs, read_offline_run
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def ddpexp_env() -> dict[str, str]:
+def ddpexp_env(wandb: bool = False) -> dict[str, str]:
+    """The environment of a test's command. W&B is off (WANDB_MODE=disabled, which ddpexp reads where wandb.mode
+    keeps its default) unless the test reads W&B's run back: its service costs each run about a second of CPU on
+    this suite's 2 cores. With `wandb=True`, wandb.mode=auto picks offline (no API key), as on a user's machine."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "TORCHELASTIC_", "HYDRA_"))}
     env.update(PYTHONUNBUFFERED="1", WANDB_SILENT="true", CUDA_VISIBLE_DEVICES="")  # the CPU/gloo path, on any host
-    env.pop("WANDB_API_KEY", None)  # wandb.mode=auto must pick offline
+    if not wandb:
+        env["WANDB_MODE"] = "disabled"
     return env
 
 
 def run_ddpexp(
-    *args: str, cwd: Path, timeout: float = 120, check: bool = True, env: dict[str, str] | None = None
+    *args: str,
+    cwd: Path,
+    timeout: float = 120,
+    check: bool = True,
+    env: dict[str, str] | None = None,
+    wandb: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     """The command line, in a fresh process: a multi-process test must never hang the suite."""
     proc = subprocess.run(
         [sys.executable, "-m", "ddpexp", *args],
-        cwd=cwd, env={**ddpexp_env(), **(env or {})}, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd, env={**ddpexp_env(wandb), **(env or {})}, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     if check and proc.returncode != 0:
         raise AssertionError(f"ddpexp {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
@@ -143,10 +152,10 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def start(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def start(args: list[str], cwd: Path, env: dict[str, str] | None = None, wandb: bool = False) -> subprocess.Popen[str]:
     """As from a terminal: its own process group, which a Ctrl-C signals as a whole."""
     return subprocess.Popen(
-        [sys.executable, "-m", "ddpexp", *args], cwd=cwd, env={**ddpexp_env(), **(env or {})}, text=True,
+        [sys.executable, "-m", "ddpexp", *args], cwd=cwd, env={**ddpexp_env(wandb), **(env or {})}, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
 
@@ -236,7 +245,7 @@ COMMON = ["gpus=2", "model=mlp", "model.dropout=0.3", "epochs=2", "log_every_n_s
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("reference")
-    run_ddpexp("launcher=spawn", *COMMON, "hydra.run.dir=ref", cwd=root)
+    run_ddpexp("launcher=spawn", *COMMON, "hydra.run.dir=ref", cwd=root, wandb=True)  # a W&B run of its own
     return root / "ref"
 
 
@@ -329,8 +338,19 @@ def in_group(pgid: int) -> set[int]:
     return pids
 
 
+RAY_STOP = pytest.StashKey[Callable[[], None]]()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the session's last test that uses the Ray head, stop it: its idle processes take ~5 % of a core for
+    as long as they live, and the ray scope runs first, so otherwise they would live through this worker's session."""
+    uses = [i for i in item.session.items if "ray_head" in getattr(i, "fixturenames", ())]
+    if uses and item is uses[-1] and RAY_STOP in item.config.stash:
+        item.config.stash[RAY_STOP]()
+
+
 @pytest.fixture(scope="session")
-def ray_head() -> Iterator[dict[str, str]]:
+def ray_head(request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
     """A real Ray head (2 CPUs, on loopback) for this session; the env that points launcher=ray at it.
 
     Stopped by its own processes (the group `ray start` made, and their children: the actors' workers, which
@@ -344,17 +364,13 @@ def ray_head() -> Iterator[dict[str, str]]:
         pytest.skip("Ray is not installed here: pip install -e '.[ray]'")
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     port = free_port_block(1)
-    env = {**ddpexp_env(), "RAY_AUTH_MODE": "disabled"}
+    env = {**ddpexp_env(wandb=True), "RAY_AUTH_MODE": "disabled"}  # test_ray reads its runs' W&B back
     command = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--num-cpus=2", "--include-dashboard=false",
                "--disable-usage-stats", f"--temp-dir={temp}", f"--port={port}", "--node-ip-address=127.0.0.1"]  # fmt: skip
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"ray start failed:\n{out}")
-        yield {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
-    finally:
+
+    def stop() -> None:  # once: after the last test that uses it (pytest_runtest_teardown), or at the session's end
         proc.kill()
         ours = descendants(in_group(proc.pid))
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -365,3 +381,13 @@ def ray_head() -> Iterator[dict[str, str]]:
             while time.time() < deadline and any(alive(p) for p in ours):
                 time.sleep(0.2)
         shutil.rmtree(temp, ignore_errors=True)
+        request.config.stash[RAY_STOP] = lambda: None
+
+    request.config.stash[RAY_STOP] = stop
+    try:
+        out, _ = proc.communicate(timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"ray start failed:\n{out}")
+        yield {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    finally:
+        request.config.stash[RAY_STOP]()

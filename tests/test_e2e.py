@@ -58,7 +58,7 @@ def test_spawn_two_ranks_and_equal_to_one_rank_double_batch(tmp_path: Path) -> N
     # samples, weighted exactly (DistributedSampler would repeat one sample and average the ranks' means).
     common = ["launcher=spawn", "debug.check_replicas=true", *QUICK, "seed=3", "optimizer=sgd", "optimizer.lr=0.05",
               "data.val_fraction=0.2005"]  # fmt: skip
-    proc = run_ddpexp(*common, "gpus=2", "batch_size=32", f"hydra.run.dir={two}", cwd=tmp_path)
+    proc = run_ddpexp(*common, "gpus=2", "batch_size=32", f"hydra.run.dir={two}", cwd=tmp_path, wandb=True)
     summary = check_run_record(two, "spawn", 2)
     assert summary["steps"] == 2 * 23 and summary["val_samples"] == 360  # 22 steps of 2 x 32, then 29 samples
     assert summary["train_samples_per_epoch"] == [1437, 1437]
@@ -101,7 +101,7 @@ def test_torchrun_two_ranks_on_torchvision_mnist(tmp_path: Path) -> None:
     job = tmp_path / "job"
     run_ddpexp(
         "launcher=torchrun", "gpus=2", "data=mnist", f"data.root={tmp_path / 'data'}", "model=mlp",
-        "debug.check_replicas=true", "epochs=3", "batch_size=30", f"hydra.run.dir={job}", cwd=tmp_path,
+        "debug.check_replicas=true", "epochs=3", "batch_size=30", f"hydra.run.dir={job}", cwd=tmp_path, wandb=True,
     )  # fmt: skip
     summary = check_run_record(job, "torchrun", 2)
     assert summary["val_samples"] == 101  # odd: exact eval counts each sample once
@@ -174,7 +174,7 @@ def test_multirun_sweep_runs_full_ddp_jobs_in_one_wandb_group(tmp_path: Path) ->
     sweep = tmp_path / "sweep"
     run_ddpexp(
         "-m", "optimizer.lr=1e-3,3e-3", "model=cnn,mlp", "max_steps=4", "gpus=2", f"hydra.sweep.dir={sweep}",
-        cwd=tmp_path, timeout=240,
+        cwd=tmp_path, timeout=240, wandb=True,
     )  # fmt: skip
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
     assert [j.name for j in jobs] == ["0", "1", "2", "3"]
@@ -199,7 +199,7 @@ def test_wandb_online_without_network_falls_back_to_offline(tmp_path: Path) -> N
     # wandb.init alone would wait ~100 s without wandb.init_timeout_s: past this process's hard timeout.
     proc = subprocess.run(
         [sys.executable, "-m", "ddpexp", "gpus=1", "max_steps=3", "wandb.init_timeout_s=5", "hydra.run.dir=job"],
-        cwd=tmp_path, env={**ddpexp_env(), "WANDB_API_KEY": env_key}, capture_output=True, text=True, timeout=80,
+        cwd=tmp_path, env={**ddpexp_env(wandb=True), "WANDB_API_KEY": env_key}, capture_output=True, text=True, timeout=80,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "W&B online init failed" in proc.stdout + proc.stderr
@@ -234,7 +234,7 @@ def test_a_dying_wandb_service_leaves_training_and_the_local_record_intact(tmp_p
     """Slurm's scancel signals every process of a step, W&B's service too: the loop must not die with it."""
     proc = subprocess.run(
         [sys.executable, "-c", _SERVICE_DIES, str(tmp_path)],
-        env=ddpexp_env(), capture_output=True, text=True, timeout=120,
+        env=ddpexp_env(wandb=True), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.count("W&B failed (ConnectionResetError") == 1 and "Traceback" not in proc.stderr

@@ -26,8 +26,8 @@ def project(tmp_path: Path) -> Path:
     return tmp_path / "myproject"
 
 
-def ddpexp(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(DDPEXP), *args], cwd=cwd, env=ddpexp_env(), capture_output=True, text=True,
+def ddpexp(*args: str, cwd: Path, timeout: float = 120, wandb: bool = False) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(DDPEXP), *args], cwd=cwd, env=ddpexp_env(wandb), capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
 
 
@@ -62,7 +62,8 @@ def test_checkout_conf_is_not_added_twice() -> None:
 @pytest.mark.timeout(240)
 def test_example_project_via_cli(project: Path) -> None:
     """One run, checked everywhere it is recorded: metrics.jsonl, summary.json, the W&B offline run, ddpexp report."""
-    proc = ddpexp("experiment=wine", "debug.check_replicas=true", "hydra.run.dir=job", cwd=project, timeout=180)
+    proc = ddpexp("experiment=wine", "debug.check_replicas=true", "hydra.run.dir=job", cwd=project, timeout=180,
+                  wandb=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     job = project / "job"
     summary = check_run_record(job, "spawn", 2, METRICS)

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.slow
 def test_resume_mid_epoch_continues_the_same_run_and_refuses_a_changed_config(tmp_path: Path, reference: Path) -> None:
     job = tmp_path / "job"
     args = ["launcher=spawn", *COMMON, f"hydra.run.dir={job}"]
-    failed = run_ddpexp(*args, "debug.fail_at_step=17", cwd=tmp_path, check=False)
+    failed = run_ddpexp(*args, "debug.fail_at_step=17", cwd=tmp_path, check=False, wandb=True)
     assert failed.returncode == 1 and "debug.fail_at_step=17" in failed.stderr
     ckpts = sorted(p.name for p in (job / "checkpoints").glob("step-*.pt"))
     assert ckpts == ["step-00000010.pt", "step-00000015.pt"]  # keep-last-2; 15 is mid-epoch 1
@@ -56,7 +56,7 @@ def test_resume_mid_epoch_continues_the_same_run_and_refuses_a_changed_config(tm
         p: t for p, t in before.items() if ".hydra" not in p.parts
     }
 
-    resumed = run_ddpexp(*args, cwd=tmp_path)  # resume=auto is the default
+    resumed = run_ddpexp(*args, cwd=tmp_path, wandb=True)  # resume=auto is the default
     assert "resuming from" in resumed.stdout and "step-00000015.pt" in resumed.stdout
     summary = read_summary(job)
     assert summary["status"] == "completed" and summary["resumed_from"]["step"] == 15
@@ -271,7 +271,7 @@ def test_resume_from_another_jobs_checkpoint_starts_a_new_record(tmp_path: Path,
     before = mtimes(reference)
     job = tmp_path / "longer"
     proc = run_ddpexp(
-        "launcher=spawn", *COMMON, "epochs=3", f"resume={reference}", f"hydra.run.dir={job}", cwd=tmp_path
+        "launcher=spawn", *COMMON, "epochs=3", f"resume={reference}", f"hydra.run.dir={job}", cwd=tmp_path, wandb=True
     )
     newest = reference / "checkpoints" / "step-00000024.pt"
     assert f"resuming from {newest}" in proc.stdout

@@ -39,7 +39,7 @@ def test_a_killed_rank_restarts_the_gang_and_the_run_is_bit_equal_to_spawn(
 ) -> None:
     """Rank 1's process SIGKILLed after step 7: the gang restarts once from step 5's checkpoint."""
     proc = run_ddpexp(*RAY, *COMMON, "launcher.max_restarts=1", "debug.kill_at_step=7", "debug.fail_rank=1",
-                      "debug.check_replicas=true", "hydra.run.dir=job", cwd=tmp_path, env=ray_head, timeout=240)  # fmt: skip
+                      "debug.check_replicas=true", "hydra.run.dir=job", cwd=tmp_path, env=ray_head, timeout=240, wandb=True)  # fmt: skip
     job = tmp_path / "job"
     summary = check_run_record(job, "ray", 2)
     assert summary["restarts"] == 1 and summary["ray"] == {"placement": "PACK", "restarts": 1}
@@ -94,7 +94,7 @@ def test_a_sweep_submits_every_job_before_waiting(tmp_path: Path, ray_head: dict
     sweep = tmp_path / "sweep"
     tracked = [a for a in TINY if a != "wandb.mode=disabled"]  # offline W&B: one run per job, the sweep its group
     proc = run_ddpexp("-m", *RAY, *tracked, "seed=1,2", f"hydra.sweep.dir={sweep}", cwd=tmp_path, env=ray_head,
-                      timeout=240)  # fmt: skip
+                      timeout=240, wandb=True)  # fmt: skip
     lines = proc.stdout.splitlines()
     submitted = [i for i, line in enumerate(lines) if line.startswith("ddpexp: submitted 2 rank(s) to Ray")]
     first_done = next(i for i, line in enumerate(lines) if line.startswith("ddpexp: completed"))

@@ -49,7 +49,7 @@ def test_gpus_per_node_from_sinfo_gres(gres: str, gpus: int) -> None:
 
 
 def test_slurm_job_completes_and_matches_spawn_bit_for_bit(tmp_path: Path, slurm: dict[str, str]) -> None:
-    proc = run_ddpexp(*SLURM, *TRAIN, "hydra.run.dir=slurm_job", cwd=tmp_path, env=slurm, timeout=180)
+    proc = run_ddpexp(*SLURM, *TRAIN, "hydra.run.dir=slurm_job", cwd=tmp_path, env=slurm, timeout=180, wandb=True)
     job = tmp_path / "slurm_job"
     summary = check_run_record(job, "slurm", 2)
     job_id = summary["slurm"]["job_id"]
@@ -102,7 +102,7 @@ def test_sweep_without_waiting_submits_every_job_and_the_cluster_fits_them_at_on
     sweep = tmp_path / "sweep"
     proc = run_ddpexp(
         "-m", *SLURM, "launcher.wait=false", "optimizer.lr=1e-3,2e-3,3e-3", "max_steps=30", f"hydra.sweep.dir={sweep}",
-        cwd=tmp_path, env=slurm, timeout=120,
+        cwd=tmp_path, env=slurm, timeout=120, wandb=True,
     )  # fmt: skip
     ids = re.findall(r"submitted Slurm job (\d+)", proc.stdout)
     assert len(ids) == 3 and "[rank0]" not in proc.stdout  # returned without following (or waiting for) any job
@@ -159,7 +159,7 @@ def test_usr2_checkpoints_requeues_once_and_the_job_resumes_bit_equal(
     from conftest import COMMON, assert_same_run, start, wait_for_step
 
     job = tmp_path / "job"
-    proc = start([*SLURM, *COMMON, "debug.step_delay_s=0.3", f"hydra.run.dir={job}"], tmp_path, slurm)
+    proc = start([*SLURM, *COMMON, "debug.step_delay_s=0.3", f"hydra.run.dir={job}"], tmp_path, slurm, wandb=True)
     try:
         wait_for_step(job, 4, proc, timeout=120)
         deadline = time.time()

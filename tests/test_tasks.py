@@ -151,7 +151,7 @@ def test_a_user_task_and_its_own_metric_drive_an_optuna_study(tmp_path: Path) ->
     run_ddpexp(
         "hparams_search=digits_optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.direction=minimize",
         "objective=val/brier", "task._target_=user_task.BrierTask", *USER_TASK, "+task.temperature=1.0",
-        "gpus=2", "epochs=2", f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=240, env=TESTS_ON_PATH,
+        "gpus=2", "epochs=2", f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=240, env=TESTS_ON_PATH, wandb=True,
     )  # fmt: skip
     jobs = [sweep / str(i) for i in range(3)]
     briers = []
@@ -204,7 +204,7 @@ def test_regression_and_language_model_train_exactly(tmp_path: Path, preset: str
         "one": ["gpus=1", f"batch_size={2 * batch}", "wandb.mode=disabled"],
     }
     for name, extra in runs.items():
-        run_ddpexp(*args(*extra), f"hydra.run.dir={tmp_path / name}", cwd=tmp_path, timeout=150)
+        run_ddpexp(*args(*extra), f"hydra.run.dir={tmp_path / name}", cwd=tmp_path, timeout=150, wandb=name == "spawn")
     summary = read_summary(tmp_path / "spawn")
     assert (summary["status"], summary["world_size"], summary["steps"]) == ("completed", 2, 12)
     assert summary["replicas"]["identical"] and summary["replicas"]["max_abs_diff"] == 0.0

@@ -112,7 +112,7 @@ def test_ctrl_c_and_rerun_give_one_mlflow_run_and_no_tensorboard_step_twice(tmp_
 @pytest.mark.timeout(300)
 def test_a_sweep_with_three_trackers_gives_each_job_one_run_in_each_grouped(tmp_path: Path) -> None:
     run_ddpexp("-m", "tracker=[wandb,tensorboard,mlflow]", "gpus=1", "max_steps=3", "log_every_n_steps=1",
-               "optimizer.lr=0.01,0.001", "hydra.sweep.dir=sweep", cwd=tmp_path, timeout=240)  # fmt: skip
+               "optimizer.lr=0.01,0.001", "hydra.sweep.dir=sweep", cwd=tmp_path, timeout=240, wandb=True)  # fmt: skip
     jobs = [tmp_path / "sweep" / str(n) for n in range(2)]
     summaries = [read_summary(job) for job in jobs]
     assert [len(find_offline_runs(job / "wandb")) for job in jobs] == [1, 1]
