@@ -175,6 +175,20 @@ def wait_for_step(job: Path, step: int, proc: subprocess.Popen[str], timeout: fl
 # the tests that use the session's Slurm cluster run on one worker together, which starts it once, and so do those
 # that use its Ray head (test_launchers.py's contract classes go with their launcher's files): two scopes, which
 # the workers take first, then the files, so neither worker waits on the other at the end.
+LONGEST = (
+    "test_faults",
+    "test_launchers",
+    "test_trackers",
+    "test_e2e",
+    "test_fsdp2",
+    "test_tasks",
+    "test_exact_samples",
+    "test_bench",
+    "test_legacy_project",
+    "test_config",
+    "test_multirun",
+    "test_evaluate",
+)
 SLURM_FILES = frozenset({"test_env_launcher.py", "test_readme.py", "test_slurm.py", "test_sweeps.py"})
 RAY_FILES = frozenset({"test_ray.py"})
 
@@ -205,8 +219,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for fixture, scope in (("slurm", "slurm"), ("ray_head", "ray")):
             if fixture in getattr(item, "fixturenames", ()) and scope_of(item.nodeid) != scope:
                 raise pytest.UsageError(f"{item.nodeid} uses {fixture}: add {item.path.name} to conftest's scope_of")
-    first = {"slurm": 0, "ray": 1}  # the two longest scopes go out first (a stable sort keeps each one's order)
-    items.sort(key=lambda item: first.get(scope_of(item.nodeid), 2))
+    # The two longest scopes go out first, then the files longest first (measured here), so the last file a worker
+    # takes is a short one and neither waits long on the other at the end; a stable sort keeps each file's order.
+    first = {scope: n for n, scope in enumerate(("slurm", "ray", *(f"tests/{name}.py" for name in LONGEST)))}
+    items.sort(key=lambda item: first.get(scope_of(item.nodeid), len(first)))
 
 
 def until(condition: Callable[[], bool], proc: subprocess.Popen[str], timeout: float = 120) -> None:
