@@ -177,6 +177,7 @@ def assert_one_line(proc: subprocess.CompletedProcess[str], message: str) -> Non
 # The launchers' checks, in-process: (dataclass, keys, message)
 BAD_LAUNCHER_KEYS = [
     (SpawnConfig, {"master_port": 65536}, "must be a port 0..65535"),
+    (SpawnConfig, {"start_method": "fork"}, "launcher.start_method=fork: must be forkserver or spawn"),
     (TorchrunConfig, {"rdzv_backend": "static"}, "needs a fixed node rank"),
     (TorchrunConfig, {"rdzv_endpoint": "localhost:"}, "the port must be a number 0..65535"),
     (TorchrunConfig, {"rdzv_endpoint": "host/x:29400"}, "the host must be a name, an IPv4 address"),

@@ -39,6 +39,23 @@ def test_a_config_without_the_declared_key_at_its_default_is_the_same_run() -> N
     assert OmegaConf.to_yaml(hydra_older) in same_hydra_configs(OmegaConf.to_yaml(hydra_now))
 
 
+def test_a_spawn_job_from_before_start_method_is_the_same_run() -> None:
+    """launcher.start_method (2026-12-07) at its default: an older spawn job's config, without it, is that job."""
+    from hydra import compose, initialize_config_dir
+
+    from ddpexp.parent.schema import register_configs
+
+    register_configs()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        config = OmegaConf.to_container(compose("config", overrides=["launcher=spawn"]), resolve=True)
+    assert list(config["launcher"].items())[-1] == ("start_method", "forkserver")  # last in its group (ADDED_KEYS)
+    dump = lambda c: yaml.safe_dump(c, sort_keys=False)  # noqa: E731  # how parent/launch.py writes config.yaml
+    older = {**config, "launcher": {k: v for k, v in config["launcher"].items() if k != "start_method"}}
+    assert dump(older) in same_run_configs(dump(config))
+    spawned = {**config, "launcher": {**config["launcher"], "start_method": "spawn"}}
+    assert dump(older) not in same_run_configs(dump(spawned))  # only the default is the older form
+
+
 @pytest.mark.timeout(180)
 def test_a_job_the_previous_release_completed_is_still_completed(tmp_path: Path) -> None:
     """data=older, the previous release's digits.yaml (without the key), composes the config exactly as that

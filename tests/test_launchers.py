@@ -246,3 +246,23 @@ def test_a_long_traceback_is_trimmed_from_the_middle_keeping_the_users_frames_an
     deep = "Traceback (most recent call last):\n" + '  File "/home/me/m.py", line 3, in f\n    f()\n' * 40
     trimmed = tail(deep + "RecursionError: too deep").splitlines()  # the user's frames alone are too many
     assert len(trimmed) <= 25 and trimmed[0].startswith("Traceback") and trimmed[-1] == "RecursionError: too deep"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_forkserver_ranks_get_the_environment_and_affinity_their_job_started_with(tmp_path: Path) -> None:
+    """Two spawn jobs in one process (ddpexp.run), under another DDPEXP_PROBE and CPU affinity each: the first
+    job's forkserver forks the second's ranks too, and each job's ranks train in their own job's environment and
+    affinity, as spawned ranks would (tests/env_probe.py)."""
+    import json
+
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "env_probe.py"), str(tmp_path)], cwd=tmp_path,
+        env={**ddpexp_env(), "PYTHONPATH": str(ROOT / "tests")}, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads((tmp_path / "probe.json").read_text())
+    assert (seen["1"]["probe"], seen["2"]["probe"]) == (1.0, 2.0)  # every rank's metric: the mean over the ranks
+    assert seen["1"]["affinity"] == [[0], [0]] and seen["2"]["cores"] != [0]
+    assert seen["2"]["affinity"] == [seen["2"]["cores"]] * 2
+    assert len(seen["1"]["forkservers"]) == 1 and seen["2"]["forkservers"] == seen["1"]["forkservers"]

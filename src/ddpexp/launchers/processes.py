@@ -8,21 +8,47 @@ import contextlib
 import ctypes
 import multiprocessing
 import os
+import select
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 
 
-def die_with_parent() -> None:
+def die_with_parent(through_forkserver: bool = False) -> None:
     """A rank started by this command (spawn, torchrun) gets SIGKILL when the command dies, even by SIGKILL.
 
-    Linux's PR_SET_PDEATHSIG; elsewhere ranks rely on the launcher's own cleanup."""
+    Linux's PR_SET_PDEATHSIG; elsewhere ranks rely on the launcher's own cleanup. A rank forked by the command's
+    forkserver has the server as its parent, and the server lives as long as any process it forked: such a rank
+    also watches the command itself (a pidfd, in a thread that sleeps until the command ends)."""
     parent = multiprocessing.parent_process()
     if parent is None or not sys.platform.startswith("linux"):
         return
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    if os.getppid() != parent.pid:  # the parent died before prctl took effect
+    if through_forkserver:
+        try:
+            watched = os.pidfd_open(parent.pid)
+        except ProcessLookupError:  # the command ended before this rank started
+            os._exit(1)
+        threading.Thread(
+            target=_killed_when_readable, args=(watched,), name="ddpexp-command-watch", daemon=True
+        ).start()
+    elif os.getppid() != parent.pid:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def has_pidfd() -> bool:
+    """Whether this system can watch a process through a pidfd (Linux 5.3 and later)."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
+def _killed_when_readable(fd: int) -> None:
+    select.select([fd], [], [])  # a pidfd turns readable when its process ends
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def detach_from_terminal() -> None:

@@ -16,6 +16,7 @@ from ddpexp.launchers.processes import (
     detach_from_terminal,
     die_with_parent,
     forward_signals,
+    has_pidfd,
     stop_signals_blocked,
     terminate,
 )
@@ -30,8 +31,15 @@ class SpawnConfig(LauncherConfig):
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # null: a free port, bound by this process (no race between jobs)
     inline_single: bool = True  # gpus=1 runs in this process, without spawning
+    # forkserver: one server process imports torch and ddpexp once, and each rank is forked from it (the ranks'
+    # start-up CPU is paid once, not once a rank); spawn: each rank a fresh interpreter that imports them itself.
+    start_method: str = "forkserver"
 
     def __post_init__(self) -> None:
+        check(
+            self.start_method in ("forkserver", "spawn"),
+            f"launcher.start_method={self.start_method}: must be forkserver or spawn",
+        )
         check(
             self.master_port is None or 0 <= self.master_port <= 65535,
             f"launcher.master_port={self.master_port}: must be a port 0..65535 (0 or null: a free one)",
@@ -74,10 +82,14 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> Handle:
     # (processes.detach_from_terminal); from here until they are joined, this process hands the user's first
     # Ctrl-C/SIGTERM on to them, the same signal (processes.forward_signals), also one that came while they started.
     forwarding = forward_signals().__enter__()
+    method = _start_method(lc.start_method)
+    # Through the forkserver the ranks inherit the server's environment and CPU affinity, not this process's
+    # now: both go with the ranks' arguments, as a spawned process would inherit them.
+    here = (dict(os.environ), sorted(os.sched_getaffinity(0))) if method == "forkserver" else None
     try:
-        with stop_signals_blocked():
+        with stop_signals_blocked():  # the forkserver, started in here, keeps them blocked too: never stopped by them
             ctx = mp.start_processes(
-                _spawned_rank, args=(worker, cfg, job, env), nprocs=n, join=False, start_method="spawn"
+                _spawned_rank, args=(worker, cfg, job, env, here), nprocs=n, join=False, start_method=method
             )
     except BaseException:
         forwarding.__exit__()
@@ -115,16 +127,35 @@ def _join_ranks(ctx: Any) -> None:
 GRACE_S = 5.0
 
 
+def _start_method(asked: str) -> str:
+    """`asked`, where this platform has it (no forkserver on Windows, no pidfd before Linux 5.3); the forkserver preloads what every rank
+    imports (torch, torch._dynamo that DDP imports, the rank's worker)."""
+    import multiprocessing
+
+    if asked != "forkserver" or "forkserver" not in multiprocessing.get_all_start_methods() or not has_pidfd():
+        return "spawn"  # a forked rank watches the command through a pidfd (processes.die_with_parent)
+    multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "ddpexp.rank.worker"])
+    return asked
+
+
 def _run_rank(local_rank: int, worker: Callable[..., None], cfg: Any, job: Any, env: dict[str, str]) -> None:
-    die_with_parent()
     detach_from_terminal()
     os.environ.update(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank))
     worker(cfg, job)
 
 
-def _spawned_rank(local_rank: int, worker: Callable[..., None], cfg: Any, job: Any, env: dict[str, str]) -> None:
+def _spawned_rank(
+    local_rank: int, worker: Callable[..., None], cfg: Any, job: Any, env: dict[str, str],
+    parent: tuple[dict[str, str], list[int]] | None = None,
+) -> None:  # fmt: skip
     """A rank in a process of its own: once it is done (its record written, its process group closed), the
-    process ends at once (job.end_process); a failure leaves through torch.multiprocessing's own report."""
+    process ends at once (job.end_process); a failure leaves through torch.multiprocessing's own report.
+    `parent`: the command's environment and CPU affinity at launch (a rank forked by the forkserver)."""
+    die_with_parent(through_forkserver=parent is not None)
+    if parent is not None:
+        os.environ.clear()
+        os.environ.update(parent[0])
+        os.sched_setaffinity(0, parent[1])
     _run_rank(local_rank, worker, cfg, job, env)
     end_process(0)
 
@@ -134,7 +165,7 @@ def _run_inline(worker: Callable[..., None], cfg: Any, job: Any, env: dict[str, 
 
     saved = dict(os.environ)
     try:
-        _run_rank(0, worker, cfg, job, env)
+        _run_rank(0, worker, cfg, job, env)  # this process's own: no die_with_parent
     except Exception:  # the same report as a spawned rank's failure
         raise RankFailure(0, tail(traceback.format_exc())) from None
     finally:
@@ -144,6 +175,10 @@ def _run_inline(worker: Callable[..., None], cfg: Any, job: Any, env: dict[str, 
 
 def plan(cfg: Any, job: Any) -> dict[str, Any]:
     port = str(cfg.launcher.master_port or "<free port bound at launch>")
-    how = "in this process" if cfg.gpus == 1 and cfg.launcher.inline_single else "torch.multiprocessing spawn"
+    how = (
+        "in this process"
+        if cfg.gpus == 1 and cfg.launcher.inline_single
+        else f"torch.multiprocessing ({cfg.launcher.start_method})"
+    )
     ranks = local_ranks(cfg, 0, cfg.gpus, (cfg.launcher.master_addr, port))
     return {"command": f"{this_command(job)}  -> {how} -> ddpexp.rank.worker.main", "ranks": ranks}

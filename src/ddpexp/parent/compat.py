@@ -19,6 +19,7 @@ ADDED_KEYS: dict[tuple[str, ...], Any] = {
     ("tracker",): {"wandb": {"_target_": "ddpexp.trackers.wandb.start", "on_error": "warn"}},  # W&B, as before
     ("strategy",): {"name": "ddp"},  # DistributedDataParallel, as before
     ("drop_last",): False,  # every sample once per epoch, as the padded order nearly did
+    ("launcher", "start_method"): "forkserver",  # launcher=spawn's ranks, forked (the same weights as spawned)
 }
 
 
