@@ -139,3 +139,18 @@ def test_ddp_cost_without_data_is_one_line(tmp_path: Path, capsys) -> None:  # t
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.endswith(f"--root {tmp_path}: no MNIST files (run python -m ddpexp.bench once, or point at MNIST)")
+
+
+def test_paired_summarizes_the_pairs_and_refuses_a_tree_without_ddpexp(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from ddpexp.bench import paired
+
+    s = paired.summarize([(100.0, 90.0), (100.0, 110.0), (200.0, 190.0)])
+    assert (s["pairs"], s["median_before"], s["median_after"], s["slower_after"]) == (3, 100.0, 110.0, 2)
+    assert abs(s["mean_change"] - (-0.1 + 0.1 - 0.05) / 3) < 1e-12
+    assert abs(s["se_change"] - np.std([-0.1, 0.1, -0.05], ddof=1) / 3**0.5) < 1e-12
+    assert "mean paired change -1.7 %" in paired.line(2, s) and "slower after in 2 of 3 pairs" in paired.line(2, s)
+    with pytest.raises(SystemExit) as e:
+        paired.main(["--before", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"--before {tmp_path}: no ddpexp package there (give the src folder of a checkout)")

@@ -62,13 +62,16 @@ def command(loop: str, args: argparse.Namespace, world_size: int, out: Path) -> 
     ]  # fmt: skip
 
 
-def run_one(loop: str, args: argparse.Namespace, world_size: int, out: Path) -> dict[str, Any]:
-    """Start one command, wait for it (hard timeout), and read its figures back from what it wrote."""
+def run_one(
+    loop: str, args: argparse.Namespace, world_size: int, out: Path, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Start one command (in `env`: default, this process's), wait for it (hard timeout), and read its figures
+    back from what it wrote."""
     for attempt in (1, 2):  # a rare crash at exit (seen once from A's plain loop) costs one rerun, not the table
         shutil.rmtree(out, ignore_errors=True)  # the bench's own output of an earlier run (ddpexp would resume it)
         t0 = time.time()
         cmd = command(loop, args, world_size, out)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
         if proc.returncode == 0:
             break
         failure = f"bench: {loop} (world size {world_size}) failed, exit {proc.returncode}:\n{proc.stderr[-3000:]}"
