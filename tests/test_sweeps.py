@@ -20,13 +20,13 @@ from ddpexp.report.main import fmt
 
 pytestmark = pytest.mark.slow
 
-TRIALS = 4
+TRIALS = 3
 SWEPT = ("optimizer.lr", "optimizer.weight_decay", "batch_size", "model")
 
 
 @pytest.fixture(scope="module")
 def study(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """hparams_search=digits_optuna, 4 trials x 2 spawn ranks, 1 epoch each; trial 1 fails after its first step."""
+    """hparams_search=digits_optuna, 3 trials x 2 spawn ranks, 1 epoch each; trial 1 fails after its first step."""
     root = tmp_path_factory.mktemp("optuna")
     sweep = root / "sweep"
     proc = run_ddpexp(

@@ -149,11 +149,11 @@ def test_a_colliding_metric_name_on_a_user_s_data_fails_the_rank_before_step_1(t
 def test_a_user_task_and_its_own_metric_drive_an_optuna_study(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     run_ddpexp(
-        "hparams_search=digits_optuna", "hydra.sweeper.n_trials=3", "hydra.sweeper.direction=minimize",
+        "hparams_search=digits_optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.direction=minimize",
         "objective=val/brier", "task._target_=user_task.BrierTask", *USER_TASK, "+task.temperature=1.0",
         "gpus=2", "epochs=2", f"hydra.sweep.dir={sweep}", cwd=tmp_path, timeout=240, env=TESTS_ON_PATH, wandb=True,
     )  # fmt: skip
-    jobs = [sweep / str(i) for i in range(3)]
+    jobs = [sweep / str(i) for i in range(2)]
     briers = []
     for job in jobs:
         summary, rows = read_summary(job), read_metrics(job)
