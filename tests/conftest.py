@@ -189,7 +189,7 @@ LONGEST = (
     "test_multirun",
     "test_evaluate",
 )
-SLURM_FILES = frozenset({"test_env_launcher.py", "test_readme.py", "test_slurm.py", "test_sweeps.py"})
+SLURM_FILES = frozenset({"test_env_launcher.py", "test_readme.py", "test_slurm.py"})
 RAY_FILES = frozenset({"test_ray.py"})
 
 

@@ -117,6 +117,8 @@ def test_a_sweep_with_three_trackers_gives_each_job_one_run_in_each_grouped(tmp_
     summaries = [read_summary(job) for job in jobs]
     assert [len(find_offline_runs(job / "wandb")) for job in jobs] == [1, 1]
     assert {s["wandb"]["group"] for s in summaries} == {"sweep"}  # the sweep dir, as given
+    assert all(s["trackers"] == ["wandb", "tensorboard", "mlflow"] for s in summaries), summaries
+    assert {s["mlflow"]["tracking_uri"] for s in summaries} == {f"sqlite:///{tmp_path / 'mlflow.db'}"}  # the default
     for job in jobs:
         assert {r["key"] for r in tensorboard_rows(job / "tensorboard")} >= {"train/loss", "val/acc", "epoch"}
     client = mlflow_client(summaries[0])
