@@ -276,6 +276,25 @@ def assert_same_run(job: Path, reference: Path) -> None:
     assert read_summary(job)["final"] == read_summary(reference)["final"]
 
 
+def check_sharded_run(job: Path, world_size: int, reference: Path | None = None) -> dict[str, Any]:
+    """A completed strategy=fsdp2 job: its last checkpoint holds each rank's shards and no whole model; with a ddp
+    `reference` of the same seed, data and steps, the same model up to float order (test_fsdp2.py's bound)."""
+    import torch
+
+    from ddpexp import load_model
+
+    summary = read_summary(job)
+    assert (summary["status"], summary["world_size"], summary["strategy"]["name"]) == ("completed", world_size, "fsdp2")
+    last = (job / "checkpoints" / "last.pt").resolve()
+    assert sorted(p.name for p in last.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(world_size)]
+    assert "model" not in torch.load(last / "state.pt", weights_only=True)
+    if reference is not None:
+        ours, ref = load_model(str(job), "last").state_dict(), load_weights(reference)
+        assert ours.keys() == ref.keys() and max((ours[k] - ref[k]).abs().max().item() for k in ref) <= 2e-4
+        assert [m["step"] for m in read_metrics(job)] == [m["step"] for m in read_metrics(reference)]
+    return summary
+
+
 def free_port_block(n: int) -> int:
     """A base port with `n` consecutive free ports (the test cluster's slurmctld + one slurmd per node)."""
     import socket

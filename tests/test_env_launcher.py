@@ -15,7 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from conftest import COMMON, assert_same_run, ddpexp_env, read_metrics, read_summary, run_ddpexp, wait_for_step
+from conftest import (
+    COMMON,
+    assert_same_run,
+    check_sharded_run,
+    ddpexp_env,
+    read_metrics,
+    read_summary,
+    run_ddpexp,
+    wait_for_step,
+)
 
 ONE_JOB = [*(a for a in COMMON if a != "gpus=2"), "debug.check_replicas=true"]  # the world says how many ranks
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -62,15 +71,19 @@ def test_torchrun_started_ranks_one_job_and_a_killed_rank_restarted_bit_equal(tm
 
 
 @pytest.mark.timeout(240)
-def test_srun_started_ranks_one_job(tmp_path: Path, reference: Path, slurm: dict[str, str]) -> None:
+def test_srun_started_ranks_one_job_sharded(tmp_path: Path, reference: Path, slurm: dict[str, str]) -> None:
+    """srun's two tasks as the ranks of one strategy=fsdp2 job (ddp under an outside launcher: the torchrun-started
+    and bare-variable tests): the ddp reference's model, from each rank's shards."""
     proc = subprocess.run(
-        ["srun", "-N1", "-n2", sys.executable, "-m", "ddpexp", *ONE_JOB],
+        ["srun", "-N1", "-n2", sys.executable, "-m", "ddpexp", *ONE_JOB, "strategy=fsdp2"],
         cwd=tmp_path, env={**ddpexp_env(), **slurm}, capture_output=True, text=True, timeout=200,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sum(line.startswith("ddpexp: completed") for line in proc.stdout.splitlines()) == 1, proc.stdout
     [job] = job_dirs(tmp_path)
-    check_env_record(job, "srun", reference)
+    summary = check_sharded_run(job, 2, reference)
+    assert (summary["launcher"], summary["started_by"], summary["restarts"]) == ("env", "srun", 0)
+    assert len(list(job.rglob(".hydra"))) == 1 and not (job / "job.lock").exists()
 
 
 def bare_rank(rank: int, port: int, args: list[str], cwd: Path) -> subprocess.Popen[str]:

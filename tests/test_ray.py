@@ -18,6 +18,7 @@ from conftest import (
     COMMON,
     assert_same_run,
     check_run_record,
+    check_sharded_run,
     ctrl_c,
     ddpexp_env,
     read_summary,
@@ -151,19 +152,20 @@ def processes_naming(text: str) -> list[int]:
 
 
 @pytest.mark.timeout(300)
-def test_a_local_runtime_runs_bit_equal_to_spawn_and_is_gone_after(tmp_path: Path, reference: Path) -> None:
-    """No address: the command starts a Ray runtime of its own (its processes name its temp dir) and ends it."""
+def test_a_local_runtime_runs_a_sharded_job_and_is_gone_after(tmp_path: Path, reference: Path) -> None:
+    """No address: the command starts a Ray runtime of its own (its processes name its temp dir) and ends it. The
+    job is strategy=fsdp2: Ray's two actors train the ddp reference's model from their shards (ddp on Ray, bit-equal
+    to spawn: the killed-rank test below and the launcher contract)."""
     pytest.importorskip("ray", reason="Ray is not installed here: pip install -e '.[ray]'")
     temp = tempfile.mkdtemp(prefix="rl", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
     env = {k: v for k, v in ddpexp_env().items() if k != "RAY_ADDRESS"}
     env.update(RAY_TMPDIR=temp, RAY_AUTH_MODE="disabled")
     try:
-        proc = run_ddpexp(*RAY, *COMMON, "debug.check_replicas=true", "hydra.run.dir=job", cwd=tmp_path, env=env,
+        proc = run_ddpexp(*RAY, *COMMON, "strategy=fsdp2", "hydra.run.dir=job", cwd=tmp_path, env=env,
                           timeout=240)  # fmt: skip
         assert "ddpexp: submitted 2 rank(s) to Ray (a local runtime of this command)" in proc.stdout
         assert list(Path(temp).glob("ray/session_*")), "the runtime was not this command's own"
-        check_run_record(tmp_path / "job", "ray", 2)
-        assert_same_run(tmp_path / "job", reference)
+        assert check_sharded_run(tmp_path / "job", 2, reference)["launcher"] == "ray"
         deadline = time.time() + 10
         while processes_naming(temp) and time.time() < deadline:
             time.sleep(0.5)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import check_run_record, load_weights, read_summary, run_ddpexp, scontrol_job
+from conftest import check_run_record, check_sharded_run, load_weights, read_summary, run_ddpexp, scontrol_job
 from wandb_offline import find_offline_runs, read_offline_run
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -65,9 +65,12 @@ def test_slurm_job_completes_and_matches_spawn_bit_for_bit(tmp_path: Path, slurm
     assert all(torch.equal(slurm_w[k], spawn_w[k]) for k in spawn_w)  # same seed, same data order: same bits
 
 
-def test_two_nodes_make_world_size_four(tmp_path: Path, slurm: dict[str, str]) -> None:
-    run_ddpexp(*SLURM, "launcher.nodes=2", *TRAIN, "wandb.mode=disabled", "hydra.run.dir=job", cwd=tmp_path, env=slurm)
-    summary = check_run_record(tmp_path / "job", "slurm", 4)
+def test_two_nodes_make_world_size_four_of_a_sharded_job(tmp_path: Path, slurm: dict[str, str]) -> None:
+    """strategy=fsdp2 over 2 nodes: 4 ranks, each writing its shards (ddp on Slurm: the bit-for-bit test above)."""
+    args = [*SLURM, "launcher.nodes=2", *TRAIN, "strategy=fsdp2", "wandb.mode=disabled", "hydra.run.dir=job"]
+    run_ddpexp(*args, cwd=tmp_path, env=slurm)
+    summary = check_sharded_run(tmp_path / "job", 4)
+    assert summary["launcher"] == "slurm" and summary["steps"] == 8
     assert summary["slurm"]["job_nodelist"] == "node[1-2]" and summary["slurm"]["ntasks"] == "4"
 
 
