@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, ddpexp_env, read_summary
+from conftest import ROOT, check_sharded_run, ddpexp_env, read_summary
 
 README = ROOT / "README.md"
 DDPEXP = Path(sys.executable).parent / "ddpexp"  # the console script of this environment's install
@@ -174,13 +174,6 @@ def scores_the_test_split(cmd: Command, work: Path, env: dict[str, str] | None) 
     assert (record["split"], record["scored"], record["world_size"]) == ("test", 180, 2), record
 
 
-def sharded(job: Path) -> None:
-    """The default job under strategy=fsdp2: completed, and its last checkpoint is each rank's shards."""
-    summary = read_summary(job)
-    assert (summary["status"], summary["world_size"], summary["strategy"]["name"]) == ("completed", 2, "fsdp2")
-    assert len(list((job / "checkpoints" / "last.pt").resolve().glob("*.distcp"))) == 2, summary
-
-
 def from_elsewhere(cmd: Command, work: Path, env: dict[str, str] | None) -> None:
     """`--config-dir path/to/myproject/conf`: the project's real path, from another directory."""
     text = cmd.text.replace("path/to/myproject", str(work / "examples" / "myproject"))
@@ -290,7 +283,7 @@ WAYS: list[tuple[str, Callable[..., None], bool]] = [
     (r"python -m ddpexp\.bench --device cuda .*", refused("0 GPUs visible", "--plan"), False),
     (r"python -m ddpexp\.bench .*", succeeds("--plan"), False),
     (r"python -m ddpexp\.bench\.strategies.*", succeeds("--plan"), False),  # the jobs themselves: test_fsdp2.py
-    (r"python -m ddpexp strategy=fsdp2 gpus=2$", succeeds(*TINY, "hydra.run.dir=fsdp2", then=lambda w, out: sharded(w / "fsdp2")),
+    (r"python -m ddpexp strategy=fsdp2 gpus=2$", succeeds(*TINY, "hydra.run.dir=fsdp2", then=lambda w, out: check_sharded_run(w / "fsdp2", 2)),
      False),
     (r"python -m ddpexp hparams_search=digits_optuna launcher=slurm .*", optuna_on_slurm, True),
     (r"python -m ddpexp hparams_search=digits_optuna.*", succeeds(*SEARCH), False),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,11 +86,11 @@ def launch(worker: Callable[..., None], cfg: Any, job: Any) -> Handle:
     method = _start_method(lc.start_method)
     # Through the forkserver the ranks inherit the server's environment and CPU affinity, not this process's
     # now: both go with the ranks' arguments, as a spawned process would inherit them.
-    here = (dict(os.environ), sorted(os.sched_getaffinity(0))) if method == "forkserver" else None
+    inherited = (dict(os.environ), sorted(os.sched_getaffinity(0))) if method == "forkserver" else None
     try:
         with stop_signals_blocked():  # the forkserver, started in here, keeps them blocked too: never stopped by them
             ctx = mp.start_processes(
-                _spawned_rank, args=(worker, cfg, job, env, here), nprocs=n, join=False, start_method=method
+                _spawned_rank, args=(worker, cfg, job, env, inherited), nprocs=n, join=False, start_method=method
             )
     except BaseException:
         forwarding.__exit__()
@@ -128,10 +129,8 @@ GRACE_S = 5.0
 
 
 def _start_method(asked: str) -> str:
-    """`asked`, where this platform has it (no forkserver on Windows, no pidfd before Linux 5.3); the forkserver preloads what every rank
-    imports (torch, torch._dynamo that DDP imports, the rank's worker)."""
-    import multiprocessing
-
+    """`asked`, where this platform has it (no forkserver on Windows, no pidfd before Linux 5.3); the forkserver
+    preloads what every rank imports (torch, torch._dynamo that DDP imports, the rank's worker)."""
     if asked != "forkserver" or "forkserver" not in multiprocessing.get_all_start_methods() or not has_pidfd():
         return "spawn"  # a forked rank watches the command through a pidfd (processes.die_with_parent)
     multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "ddpexp.rank.worker"])
@@ -146,16 +145,17 @@ def _run_rank(local_rank: int, worker: Callable[..., None], cfg: Any, job: Any, 
 
 def _spawned_rank(
     local_rank: int, worker: Callable[..., None], cfg: Any, job: Any, env: dict[str, str],
-    parent: tuple[dict[str, str], list[int]] | None = None,
+    inherited: tuple[dict[str, str], list[int]] | None = None,
 ) -> None:  # fmt: skip
     """A rank in a process of its own: once it is done (its record written, its process group closed), the
     process ends at once (job.end_process); a failure leaves through torch.multiprocessing's own report.
-    `parent`: the command's environment and CPU affinity at launch (a rank forked by the forkserver)."""
-    die_with_parent(through_forkserver=parent is not None)
-    if parent is not None:
+    `inherited`: the command's environment and CPU affinity at launch (a rank forked by the forkserver)."""
+    die_with_parent(through_forkserver=inherited is not None)
+    if inherited is not None:
+        environ, cores = inherited
         os.environ.clear()
-        os.environ.update(parent[0])
-        os.sched_setaffinity(0, parent[1])
+        os.environ.update(environ)
+        os.sched_setaffinity(0, cores)
     _run_rank(local_rank, worker, cfg, job, env)
     end_process(0)
 
